@@ -1,0 +1,198 @@
+"""The credit contract: one typed batch of per-token signals.
+
+Every trainer (ours, TRL, verl) fills a :class:`CreditBatch` and every credit method reads
+one. Validation happens once, here, so that methods can assume clean input: shapes agree,
+the mask is 0/1, and every signal is finite wherever the mask is 1. Padding positions may hold
+anything (NaN included): methods never read them.
+
+Shapes (B responses, padded to T response tokens):
+
+=================  =========  ===========================================================
+field              shape      meaning
+=================  =========  ===========================================================
+response_mask      [B, T]     1 on real response tokens, 0 on padding (bool, int or float)
+rewards            [B]        scalar outcome reward per response
+group_ids          [B]        integer id of the prompt each response answers
+logprobs           [B, T]     log pi_theta(y_t | h_t) of the current policy
+old_logprobs       [B, T]     behaviour-policy log-probs (from the rollout)
+ref_logprobs       [B, T]     frozen reference-policy log-probs
+entropy            [B, T]     full-vocabulary entropy of the next-token distribution
+mode_prob          [B, T]     top-1 probability of the next-token distribution
+hidden_residual    [B, T]     ARCA salience ||h_adapted - h_base||_2 (>= 0)
+oracle_logprobs    [B, T]     log-probs of y_t under the oracle-prompted (or teacher) model
+values             [B, T + 1] critic values; values[:, t] = V(h_t), the state before token t
+=================  =========  ===========================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["CreditBatch", "CreditInputError", "TOKEN_SIGNALS", "SIGNALS"]
+
+
+class CreditInputError(ValueError):
+    """Bad input to a credit method: the message names the field, the expected and the actual."""
+
+
+#: optional per-token signals of shape [B, T]
+TOKEN_SIGNALS = (
+    "logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "entropy",
+    "mode_prob",
+    "hidden_residual",
+    "oracle_logprobs",
+)
+#: every optional signal a method may declare
+SIGNALS = TOKEN_SIGNALS + ("values",)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}"[:200]
+
+
+@dataclass(frozen=True)
+class CreditBatch:
+    """A validated batch of responses and the per-token signals a credit method may need."""
+
+    response_mask: Tensor
+    rewards: Tensor
+    group_ids: Tensor
+    logprobs: Optional[Tensor] = None
+    old_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+    mode_prob: Optional[Tensor] = None
+    hidden_residual: Optional[Tensor] = None
+    oracle_logprobs: Optional[Tensor] = None
+    values: Optional[Tensor] = None
+    # derived on construction, not passed by callers
+    mask: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        m = self.response_mask
+        if not isinstance(m, Tensor):
+            raise CreditInputError(f"response_mask: expected a torch.Tensor of shape [B, T], got {_describe(m)}")
+        if m.dim() != 2:
+            raise CreditInputError(f"response_mask: expected 2 dims [B, T], got shape {tuple(m.shape)}")
+        B, T = m.shape
+        if B == 0:
+            raise CreditInputError("response_mask: expected at least one response (B >= 1), got B = 0")
+        if T == 0:
+            raise CreditInputError("response_mask: expected at least one token position (T >= 1), got T = 0")
+        if m.is_floating_point() or m.is_complex():
+            bad = ~((m == 0) | (m == 1))
+        elif m.dtype == torch.bool:
+            bad = torch.zeros_like(m, dtype=torch.bool)
+        else:
+            bad = ~((m == 0) | (m == 1))
+        if bad.any():
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise CreditInputError(
+                f"response_mask: expected only 0/1 values, got {m[idx].item()!r} at position {idx}"
+            )
+        bool_mask = m.bool()
+        object.__setattr__(self, "mask", bool_mask)
+
+        r = self.rewards
+        if not isinstance(r, Tensor) or r.shape != (B,):
+            raise CreditInputError(f"rewards: expected a tensor of shape ({B},), got {_describe(r)}")
+        if not r.is_floating_point():
+            raise CreditInputError(f"rewards: expected a floating-point tensor, got dtype {r.dtype}")
+        if not torch.isfinite(r).all():
+            i = int((~torch.isfinite(r)).nonzero()[0])
+            raise CreditInputError(f"rewards: expected finite values, got {r[i].item()} at index {i}")
+
+        g = self.group_ids
+        if not isinstance(g, Tensor) or g.shape != (B,):
+            raise CreditInputError(f"group_ids: expected a tensor of shape ({B},), got {_describe(g)}")
+        if g.is_floating_point() or g.is_complex() or g.dtype == torch.bool:
+            raise CreditInputError(f"group_ids: expected an integer tensor, got dtype {g.dtype}")
+
+        for name in TOKEN_SIGNALS:
+            x = getattr(self, name)
+            if x is None:
+                continue
+            self._check_signal(name, x, (B, T), bool_mask)
+        if self.values is not None:
+            # V(h_t) is read for every valid token t; the value after the last token is not
+            # read (the terminal state's value is the outcome itself), so it is not checked.
+            self._check_signal("values", self.values, (B, T + 1), None)
+            v = self.values[:, :T]
+            badv = bool_mask & ~torch.isfinite(v)
+            if badv.any():
+                idx = tuple(int(i) for i in badv.nonzero()[0])
+                raise CreditInputError(f"values: expected finite values on valid positions, got {v[idx].item()} at {idx}")
+        if self.hidden_residual is not None:
+            neg = bool_mask & (self.hidden_residual < 0)
+            if neg.any():
+                idx = tuple(int(i) for i in neg.nonzero()[0])
+                raise CreditInputError(
+                    f"hidden_residual: expected a norm (>= 0), got {self.hidden_residual[idx].item()} at {idx}"
+                )
+        if self.mode_prob is not None:
+            mp = self.mode_prob
+            out = bool_mask & ((mp < 0) | (mp > 1))
+            if out.any():
+                idx = tuple(int(i) for i in out.nonzero()[0])
+                raise CreditInputError(f"mode_prob: expected a probability in [0, 1], got {mp[idx].item()} at {idx}")
+
+    @staticmethod
+    def _check_signal(name: str, x: object, shape: tuple, bool_mask: Optional[Tensor]) -> None:
+        if not isinstance(x, Tensor):
+            raise CreditInputError(f"{name}: expected a tensor of shape {shape}, got {_describe(x)}")
+        if tuple(x.shape) != shape:
+            raise CreditInputError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise CreditInputError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+        if bool_mask is not None:
+            bad = bool_mask & ~torch.isfinite(x)
+            if bad.any():
+                idx = tuple(int(i) for i in bad.nonzero()[0])
+                raise CreditInputError(
+                    f"{name}: expected finite values on valid (mask = 1) positions, got {x[idx].item()} at {idx}"
+                )
+
+    # -- conveniences -------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return int(self.response_mask.shape[0])
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    @property
+    def fmask(self) -> Tensor:
+        """The mask as floats in the rewards' dtype."""
+        return self.mask.to(self.rewards.dtype)
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.mask.sum(dim=1)
+
+    def require(self, method: str, names) -> None:
+        """Raise a clear error if any of ``names`` is missing for ``method``."""
+        for name in names:
+            if getattr(self, name) is None:
+                raise CreditInputError(
+                    f"{name}: method '{method}' needs this signal, but CreditBatch.{name} is None"
+                )
+
+    def replace(self, **changes) -> "CreditBatch":
+        """A copy with some fields replaced (validated again)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        kw.update(changes)
+        return CreditBatch(**kw)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}

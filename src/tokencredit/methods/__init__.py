@@ -1,0 +1,11 @@
+"""Built-in credit methods, one file each. Importing this package registers them all."""
+
+from importlib import import_module
+
+# estimators
+_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "gae", "pact", "gtpo", "opd", "oppo"]
+# calibrators
+_CALIBRATORS = ["taco", "stare", "acpo", "arca", "intrinsic"]
+
+for _name in _ESTIMATORS + _CALIBRATORS:
+    import_module(f"{__name__}.{_name}")

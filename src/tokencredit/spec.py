@@ -1,0 +1,135 @@
+"""Credit specs: an estimator followed by any number of calibrators, e.g. ``"oppo+stare"``.
+
+>>> credit = CreditPipeline("grpo+taco", taco={"lam": 0.5})
+>>> out = credit(batch)            # CreditOutput with [B, T] advantages and metrics
+>>> credit.required_signals        # frozenset({'logprobs', 'entropy'})
+
+A bare calibrator name means the pairing of its paper (``"taco"`` is ``"grpo+taco"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from .batch import CreditBatch, CreditInputError
+from .registry import CreditOutput, MethodInfo, get_method
+from .ops import masked_fill_zero
+
+__all__ = ["parse_spec", "CreditPipeline", "compute_credit"]
+
+
+def parse_spec(spec: str) -> List[MethodInfo]:
+    """``"grpo+taco"`` -> [estimator grpo, calibrator taco]; ``"taco"`` -> its paper's pairing."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"credit spec: expected a string like 'grpo+taco', got {spec!r}")
+    parts = [p.strip() for p in spec.split("+")]
+    if any(not p for p in parts):
+        raise ValueError(f"credit spec {spec!r}: empty method name between '+' signs")
+    infos = [get_method(p) for p in parts]
+    if infos[0].kind == "calibrator":
+        infos.insert(0, get_method(infos[0].paired_with))
+    for info in infos[1:]:
+        if info.kind != "calibrator":
+            raise ValueError(
+                f"credit spec {spec!r}: '{info.name}' is an estimator; only the first method of a "
+                f"spec may be an estimator, the rest must be calibrators"
+            )
+    names = [i.name for i in infos]
+    if len(set(names)) != len(names):
+        raise ValueError(f"credit spec {spec!r}: a method appears twice")
+    return infos
+
+
+class CreditPipeline:
+    """A parsed credit spec with one config per method and the state of stateful methods.
+
+    Configs are given by method name, as a dict of overrides or as the config dataclass:
+    ``CreditPipeline("oppo+stare", oppo={"evidence_clip": 5.0}, stare=StareConfig(P=0.2))``.
+    """
+
+    def __init__(self, spec: str, configs: Dict[str, Any] | None = None, **by_name: Any):
+        self.spec = spec
+        self.methods = parse_spec(spec)
+        self.name = "+".join(m.name for m in self.methods)
+        given = dict(configs or {})
+        overlap = set(given) & set(by_name)
+        if overlap:
+            raise ValueError(f"config for {sorted(overlap)} given twice")
+        given.update(by_name)
+        names = {m.name for m in self.methods}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(f"configs given for {unknown}, which are not in credit spec '{self.name}'")
+        self.configs = {m.name: m.make_config(given.get(m.name)) for m in self.methods}
+        self.states = {m.name: m.state_cls(self.configs[m.name]) for m in self.methods if m.state_cls}
+
+    @property
+    def estimator(self) -> MethodInfo:
+        return self.methods[0]
+
+    @property
+    def calibrators(self) -> List[MethodInfo]:
+        return self.methods[1:]
+
+    @property
+    def required_signals(self) -> frozenset:
+        out = set()
+        for m in self.methods:
+            out |= m.requires
+        return frozenset(out)
+
+    def __call__(self, batch: CreditBatch, *, update_state: bool = True) -> CreditOutput:
+        """Credit for ``batch``. With ``update_state`` each stateful method's controller takes
+        one step from this batch afterwards (call once per optimisation step)."""
+        if not isinstance(batch, CreditBatch):
+            raise TypeError(f"batch: expected a CreditBatch, got {type(batch).__name__}")
+        est = self.estimator
+        batch.require(est.name, sorted(est.requires))
+        out = est.fn(batch, self.configs[est.name])
+        adv = out.advantages
+        metrics = dict(out.metrics)
+        weights = out.token_weights
+        for cal in self.calibrators:
+            batch.require(cal.name, sorted(cal.requires))
+            res = cal.fn(batch, adv, self.configs[cal.name], self.states.get(cal.name))
+            adv = res.advantages
+            metrics.update(res.metrics)
+            if res.token_weights is not None:
+                weights = res.token_weights if weights is None else weights * res.token_weights
+        adv = masked_fill_zero(adv, batch.mask)
+        if not torch.isfinite(adv).all():
+            raise FloatingPointError(f"credit spec '{self.name}' produced non-finite advantages")
+        if weights is not None:
+            weights = masked_fill_zero(weights, batch.mask)
+        if update_state:
+            self.update_state(batch)
+        return CreditOutput(advantages=adv, token_weights=weights, returns=out.returns, metrics=metrics)
+
+    def update_state(self, batch: CreditBatch) -> Dict[str, float]:
+        """One controller step of every stateful method from ``batch``; returns its metrics."""
+        metrics: Dict[str, float] = {}
+        for name, state in self.states.items():
+            metrics.update(state.update(batch) or {})
+        return metrics
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {name: s.state_dict() for name, s in self.states.items()}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        missing = sorted(set(self.states) - set(sd))
+        extra = sorted(set(sd) - set(self.states))
+        if missing or extra:
+            raise KeyError(f"credit state for '{self.name}': missing {missing}, unexpected {extra}")
+        for name, s in self.states.items():
+            s.load_state_dict(sd[name])
+
+    def __repr__(self) -> str:
+        return f"CreditPipeline({self.name!r}, configs={self.configs!r})"
+
+
+def compute_credit(spec: str, batch: CreditBatch, **configs: Any) -> CreditOutput:
+    """One-shot credit for a stateless use: ``compute_credit("grpo+taco", batch, taco={"lam": .5})``."""
+    return CreditPipeline(spec, **configs)(batch)
+
