@@ -43,7 +43,7 @@ def groups_of(batch: CreditBatch, method: str, *, min_size: int = 2) -> Groups:
             f"group_ids: method '{method}' needs groups of at least {min_size} responses, "
             f"got group {gid} with {int(counts[small][0])}"
         )
-    tokens = torch.zeros(len(uniq), dtype=torch.long).index_add_(0, inv, batch.mask.sum(1).long())
+    tokens = torch.zeros(len(uniq), dtype=torch.long, device=inv.device).index_add_(0, inv, batch.mask.sum(1).long())
     empty = tokens == 0
     if empty.any():
         gid = uniq[empty.nonzero()[0, 0]].item()
@@ -55,21 +55,21 @@ def groups_of(batch: CreditBatch, method: str, *, min_size: int = 2) -> Groups:
 
 def group_mean(x: Tensor, g: Groups) -> Tensor:
     """Mean of per-response values ``x [B]`` within each group, broadcast back to [B]."""
-    s = torch.zeros(g.n, dtype=x.dtype).index_add_(0, g.index, x)
+    s = torch.zeros(g.n, dtype=x.dtype, device=x.device).index_add_(0, g.index, x)
     return (s / g.counts.to(x.dtype))[g.index]
 
 
 def group_std(x: Tensor, g: Groups, *, unbiased: bool = True) -> Tensor:
     """Standard deviation of ``x [B]`` within each group, broadcast back to [B]."""
     mu = group_mean(x, g)
-    sq = torch.zeros(g.n, dtype=x.dtype).index_add_(0, g.index, (x - mu) ** 2)
+    sq = torch.zeros(g.n, dtype=x.dtype, device=x.device).index_add_(0, g.index, (x - mu) ** 2)
     denom = g.counts.to(x.dtype) - (1.0 if unbiased else 0.0)
     return (sq / denom.clamp_min(1.0)).sqrt()[g.index]
 
 
 def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:
     """``x`` where mask, exactly 0 elsewhere (also where ``x`` is NaN at padding)."""
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype))
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:

@@ -1,0 +1,714 @@
+"""tokencredit's own trainer: one process, CPU or one GPU, read top to bottom.
+
+One step:
+    rollout (K samples per prompt)  ->  rewards  ->  signals the credit spec declares
+    ->  credit (CreditPipeline)  ->  policy loss over micro-batches  ->  optimizer step
+    ->  critic step (gae / pact, PACT's importance-corrected critic after the actor step)
+
+Signals are computed only when the credit spec (or the KL term) declares them; a plain GRPO
+run does no forward pass beyond the one its loss needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .batch import CreditBatch
+from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import TrainConfig, config_to_dict
+from .spec import CreditPipeline
+
+__all__ = ["Trainer", "NonFiniteError", "forward_response"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/inf appeared in training; the message names the step and the tensor."""
+
+
+# ---------------------------------------------------------------------------------------
+# forward passes over prompt + response
+
+
+def _decoder_and_head(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidden: bool = False):
+    """Final hidden states and logits at the positions that predict response tokens.
+
+    Returns (h [N, T+1, D] states before each response token and after the last one,
+    logits [N, T, V]). Prompts are left-padded, so positions come from the attention mask
+    (as in generation), not from arange.
+    """
+    decoder, head = _decoder_and_head(model)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    h = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    h = h[:, prompt_len - 1 :]  # [N, T+1, D]
+    logits = head(h[:, :-1])
+    return (h if hidden else None), logits
+
+
+def _check_finite(x: torch.Tensor, what: str, step: int, mask: Optional[torch.Tensor] = None) -> None:
+    bad = ~torch.isfinite(x)
+    if mask is not None:
+        bad = bad & mask.reshape(mask.shape + (1,) * (x.dim() - mask.dim())).bool()
+    if bad.any():
+        raise NonFiniteError(
+            f"step {step}: non-finite values in {what} (first at index {tuple(int(i) for i in bad.nonzero()[0])}); "
+            f"the run stops here and the last good checkpoint is left untouched"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Build with a :class:`TrainConfig`; ``model``/``tokenizer``/``task`` may be injected (tests)."""
+
+    def __init__(self, cfg: TrainConfig, *, model=None, tokenizer=None, task=None, reference=None, teacher=None):
+        from .rollout import HFRollout
+        from .tasks import make_task
+
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        )
+        self.credit = CreditPipeline(cfg.credit, cfg.credit_config)
+        need = set(self.credit.required_signals)
+        if cfg.loss.kl_coef > 0:
+            need.add("ref_logprobs")
+        self.need = frozenset(need)
+
+        # -- models ---------------------------------------------------------------------
+        from .models import ValueHead, add_lora, is_lora, load_frozen, resolve_model
+
+        if model is None:
+            model, tokenizer = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
+        if tokenizer is None:
+            raise ValueError("tokenizer: expected a tokenizer when a model is passed in, got None")
+        if cfg.model.lora and not is_lora(model):
+            model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
+        if "hidden_residual" in self.need and not is_lora(model):
+            raise ValueError(
+                f"credit '{self.credit.name}' needs the adapter's hidden-state residual (ARCA): "
+                f"set --model.lora True (model.lora); got a {type(model).__name__} without an adapter"
+            )
+        self.model = model.to(self.device)
+        self.tokenizer = tokenizer
+        self.lora = is_lora(self.model)
+        # reference policy: the adapter-off pass under LoRA (shared with ARCA), else a frozen copy
+        self.reference = None
+        if "ref_logprobs" in self.need and not self.lora:
+            if reference is None:
+                reference = (
+                    load_frozen(cfg.model.reference)[0]
+                    if cfg.model.reference not in (None, "self")
+                    else _frozen_copy(self.model)
+                )
+            self.reference = reference.to(self.device)
+        self.teacher = None
+        if cfg.model.teacher is not None or teacher is not None:
+            self.teacher = (teacher if teacher is not None else load_frozen(cfg.model.teacher)[0]).to(self.device)
+        self.critic = None
+        if "values" in self.need:
+            hidden_size = _decoder_and_head(self.model)[1].weight.shape[1]
+            self.critic = ValueHead(hidden_size).to(self.device)
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(o.schedule, o.warmup_steps, cfg.steps))
+
+        from .losses import get_policy_loss
+
+        self.policy_loss = get_policy_loss(cfg.loss.policy_loss)
+        self.policy_loss_cfg = _policy_loss_config(self.policy_loss, cfg.loss)
+
+        self.task = task if task is not None else make_task(
+            cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval,
+            path=cfg.task.path, reward_fn=cfg.task.reward_fn,
+        )
+        self.rollout = HFRollout(self.model, self.tokenizer)
+
+        # -- run state ------------------------------------------------------------------
+        self.out = Path(cfg.output_dir)
+        self.step = 0
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._permutation(0)
+        self._writers: List[Any] = []
+
+    # -- data -----------------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.task.train))
+
+    def _next_examples(self, n: int):
+        out = []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.task.train[int(self._order[self.offset])])
+            self.offset += 1
+        return out
+
+    # -- rollout + reward ------------------------------------------------------------------
+    def _generate(self, examples, *, num_samples: int, temperature: float):
+        r = self.cfg.rollout
+        return self.rollout.generate(
+            [list(e.messages) for e in examples],
+            num_samples=num_samples,
+            max_new_tokens=r.max_new_tokens,
+            temperature=temperature,
+            top_p=r.top_p,
+            seed=None,  # the global torch RNG drives sampling; it is checkpointed
+        )
+
+    def _score(self, rb, examples) -> Dict[str, Any]:
+        from .tasks import score_safely
+
+        rewards, failed = [], {"error": 0, "timeout": 0}
+        for i, text in enumerate(rb.texts):
+            ex = examples[int(rb.prompt_index[i])]
+            r, why = score_safely(self.task.reward, text, ex, self.cfg.task.reward_timeout_s)
+            if why is not None:
+                failed[why] += 1
+            rewards.append(r)
+        rewards = torch.tensor(rewards, dtype=torch.float32)
+        correct = rewards.clone()
+        if self.cfg.dapo.overlong_shaping:
+            from .losses import overlong_penalty
+
+            lengths = rb.response_mask.sum(1)
+            rewards = rewards + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_cache)
+        return {"rewards": rewards, "correct": correct, "failed": failed}
+
+    def _collect(self) -> Dict[str, Any]:
+        """Rollouts for one step; with DAPO dynamic sampling, regenerate (bounded) to fill."""
+        r, d = self.cfg.rollout, self.cfg.dapo
+        kept: List[Dict[str, Any]] = []
+        n_groups, rounds, failed = 0, 0, {"error": 0, "timeout": 0}
+        all_rewards = []
+        while True:
+            rounds += 1
+            examples = self._next_examples(r.prompts_per_step)
+            rb = self._generate(examples, num_samples=r.samples_per_prompt, temperature=r.temperature)
+            sc = self._score(rb, examples)
+            all_rewards.append(sc["correct"])
+            for k in failed:
+                failed[k] += sc["failed"][k]
+            keep = torch.ones(len(rb.texts), dtype=torch.bool)
+            if d.dynamic_sampling:
+                from .losses import dynamic_sampling_filter
+
+                keep = dynamic_sampling_filter(sc["rewards"], rb.prompt_index)
+            kept.append({"rb": rb, "examples": examples, "keep": keep, **sc})
+            n_groups += int(keep.sum()) // r.samples_per_prompt
+            if not d.dynamic_sampling or n_groups >= r.prompts_per_step or rounds >= d.max_rounds:
+                break
+        return {"parts": kept, "rounds": rounds, "failed": failed, "all_correct": torch.cat(all_rewards)}
+
+    # -- signals ---------------------------------------------------------------------------
+    def _temperature(self) -> float:
+        t = self.cfg.rollout.temperature
+        return t if t > 0 else 1.0
+
+    @torch.no_grad()
+    def _signals(self, seqs: Dict[str, torch.Tensor], need) -> Dict[str, torch.Tensor]:
+        """Every per-token signal in ``need`` for the batch, in micro-batches, without grad."""
+        from .models import adapter_disabled
+        from .signals import hidden_residual, token_signals
+
+        want_policy = [s for s in ("entropy", "mode_prob") if s in need]
+        need_hidden = "values" in need or "hidden_residual" in need
+        mb = self.cfg.optim.micro_batch_size
+        N, T = seqs["response_ids"].shape
+        P = seqs["prompt_len"]
+        out: Dict[str, List[torch.Tensor]] = {}
+        hiddens = []
+        self.model.eval()
+        try:
+            for s in range(0, N, mb):
+                sl = slice(s, s + mb)
+                ids, att, resp = seqs["input_ids"][sl], seqs["attention_mask"][sl], seqs["response_ids"][sl]
+                rmask = seqs["response_mask"][sl]
+                h, logits = forward_response(self.model, ids, att, P, hidden=need_hidden)
+                _check_finite(logits, "policy logits (signal pass)", self.step, rmask)
+                sig = token_signals(logits, resp, temperature=self._temperature(), want=("logprobs", *want_policy))
+                for k, v in sig.items():
+                    out.setdefault(k, []).append(v)
+                if need_hidden:
+                    hiddens.append(h)
+                if "ref_logprobs" in need or "hidden_residual" in need:
+                    if self.lora:
+                        with adapter_disabled(self.model):
+                            hb, rl = forward_response(self.model, ids, att, P, hidden="hidden_residual" in need)
+                    else:
+                        hb, rl = forward_response(self.reference, ids, att, P)
+                    if "ref_logprobs" in need:
+                        out.setdefault("ref_logprobs", []).append(
+                            token_signals(rl, resp, temperature=self._temperature(), want=("logprobs",))["logprobs"]
+                        )
+                    if "hidden_residual" in need:
+                        out.setdefault("hidden_residual", []).append(hidden_residual(h[:, :-1], hb[:, :-1]))
+                if "oracle_logprobs" in need:
+                    o_ids, o_att, oP = seqs["oracle_input_ids"][sl], seqs["oracle_attention_mask"][sl], seqs["oracle_prompt_len"]
+                    oracle = self.teacher if self.teacher is not None else self.model
+                    _, ol = forward_response(oracle, o_ids, o_att, oP)
+                    out.setdefault("oracle_logprobs", []).append(
+                        token_signals(ol, resp, temperature=self._temperature(), want=("logprobs",))["logprobs"]
+                    )
+        finally:
+            self.model.train()
+        res = {k: torch.cat(v) for k, v in out.items()}
+        if need_hidden:
+            res["hidden"] = torch.cat(hiddens)
+        if "values" in need:
+            res["values"] = self._values(res["hidden"])
+        return res
+
+    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
+        v = self.critic(hidden).squeeze(-1)
+        return torch.sigmoid(v) if self._is_pact() else v
+
+    def _is_pact(self) -> bool:
+        return self.credit.estimator.name == "pact"
+
+    def _oracle_inputs(self, examples, prompt_index, response_ids, response_mask) -> Dict[str, Any]:
+        from .methods.oppo import oracle_prompt
+
+        cfg = self.credit.configs.get(self.credit.estimator.name)
+        template = getattr(cfg, "oracle_template", None)
+        texts = []
+        for i in prompt_index.tolist():
+            ex = examples[i]
+            q = oracle_prompt(ex.question, ex.answer, template) if template else oracle_prompt(ex.question, ex.answer)
+            msgs = [m if m.get("role") != "user" else {"role": "user", "content": q} for m in ex.messages]
+            texts.append(self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+        return _join(self.tokenizer, texts, response_ids, response_mask, prefix="oracle_")
+
+    # -- one step --------------------------------------------------------------------------
+    def train_step(self) -> Dict[str, float]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        col = self._collect()
+        batch = _merge(col["parts"], self.tokenizer, cfg.rollout.samples_per_prompt)
+        if batch is not None:
+            batch = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        t_roll = time.perf_counter() - t0
+        metrics: Dict[str, float] = {
+            "step": float(self.step + 1),
+            "reward/mean": float(col["all_correct"].mean()),
+            "reward/failed_error": float(col["failed"]["error"]),
+            "reward/failed_timeout": float(col["failed"]["timeout"]),
+            "rollout/rounds": float(col["rounds"]),
+        }
+        if batch is None:  # dynamic sampling found no group with signal
+            metrics["update/skipped"] = 1.0
+            return metrics
+        N, T = batch["response_ids"].shape
+        mask = batch["response_mask"].bool()
+        metrics.update({
+            "response/len_mean": float(mask.sum(1).float().mean()),
+            "response/truncated_frac": float(batch["truncated"].float().mean()),
+            "reward/shaped_mean": float(batch["rewards"].mean()),
+            "groups/count": float(N // cfg.rollout.samples_per_prompt),
+        })
+        if "oracle_logprobs" in self.need:
+            batch.update(self._oracle_inputs(batch["examples"], batch["prompt_index"], batch["response_ids"], batch["response_mask"]))
+
+        # signals, then credit
+        sig = self._signals(batch, self.need) if self.need else {}
+        old_logprobs = sig.get("logprobs", batch["behaviour_logprobs"])
+        fields = {k: sig[k] for k in ("entropy", "mode_prob", "ref_logprobs", "hidden_residual", "oracle_logprobs", "values") if k in sig}
+        cb = CreditBatch(
+            response_mask=batch["response_mask"], rewards=batch["rewards"], group_ids=batch["prompt_index"],
+            logprobs=old_logprobs, old_logprobs=batch["behaviour_logprobs"], **fields,
+        )
+        credit = self.credit(cb)
+        adv = credit.advantages
+        metrics.update(credit.metrics)
+        from .diagnostics import credit_diagnostics
+
+        metrics.update(credit_diagnostics(cb, credit))
+
+        # policy update
+        upd = self._update_policy(batch, adv, old_logprobs, sig.get("ref_logprobs"))
+        metrics.update(upd)
+
+        # critic update (after the actor, as PACT prescribes; GAE's order does not matter here)
+        if self.critic is not None:
+            metrics.update(self._update_critic(batch, sig, credit, old_logprobs))
+
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        dt = time.perf_counter() - t0
+        metrics["time/step_s"] = dt
+        metrics["time/rollout_s"] = t_roll
+        metrics["time/tokens_per_s"] = float(mask.sum()) / max(dt, 1e-9)
+        self._last_batch = {"batch": batch, "credit_batch": cb, "credit": credit}
+        return metrics
+
+    def _update_policy(self, batch, adv, old_logprobs, ref_logprobs) -> Dict[str, float]:
+        from .losses import kl_penalty, aggregate
+        from .signals import token_signals
+
+        cfg = self.cfg
+        N, T = batch["response_ids"].shape
+        P = batch["prompt_len"]
+        mask = batch["response_mask"]
+        mb = cfg.optim.micro_batch_size
+        total_tokens = float(mask.sum())
+        seq_mode = cfg.loss.agg_mode.startswith("seq-")
+        n_rows = float((mask.sum(1) > 0).sum())
+        sums: Dict[str, float] = {}
+        ent_sum = 0.0
+        grad_norm = 0.0
+        for epoch in range(cfg.optim.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for s in range(0, N, mb):
+                sl = slice(s, s + mb)
+                m = mask[sl]
+                if m.sum() == 0:
+                    continue
+                _, logits = forward_response(self.model, batch["input_ids"][sl], batch["attention_mask"][sl], P)
+                _check_finite(logits, "policy logits", self.step + 1, m)
+                lp = token_signals(logits, batch["response_ids"][sl], temperature=self._temperature(), want=("logprobs",))["logprobs"]
+                loss, lm = self.policy_loss(lp, old_logprobs[sl], adv[sl], m, self.policy_loss_cfg)
+                if cfg.loss.kl_coef > 0:
+                    kl = aggregate(kl_penalty(lp, ref_logprobs[sl], cfg.loss.kl_estimator), m, cfg.loss.agg_mode)
+                    loss = loss + cfg.loss.kl_coef * kl
+                    lm = {**lm, "kl": float(kl.detach())}
+                _check_finite(loss.detach(), "policy loss", self.step + 1)
+                scale = (float((m.sum(1) > 0).sum()) / n_rows) if seq_mode else (float(m.sum()) / total_tokens)
+                (loss * scale).backward()
+                for k, v in lm.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * scale / cfg.optim.ppo_epochs
+                sums["policy"] = sums.get("policy", 0.0) + float(loss.detach()) * scale / cfg.optim.ppo_epochs
+                if epoch == 0:
+                    with torch.no_grad():
+                        ent = token_signals(logits.detach(), batch["response_ids"][sl], temperature=self._temperature(), want=("entropy",))["entropy"]
+                        ent_sum += float((ent * m).sum())
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            if not torch.isfinite(gn):
+                raise NonFiniteError(
+                    f"step {self.step + 1}: non-finite gradient norm ({float(gn)}) in the policy update; "
+                    f"the run stops here and the last good checkpoint is left untouched"
+                )
+            grad_norm = float(gn)
+            self.optimizer.step()
+        self.scheduler.step()
+        out = {f"loss/{k}": v for k, v in sums.items()}
+        out["grad_norm"] = grad_norm
+        out["entropy/mean"] = ent_sum / max(total_tokens, 1.0)
+        return out
+
+    def _update_critic(self, batch, sig, credit, old_logprobs) -> Dict[str, float]:
+        mask = batch["response_mask"]
+        hidden = sig["hidden"].detach()
+        if self._is_pact():
+            from .methods.pact import pact_critic_is_weights, pact_critic_loss
+
+            # PACT: one extra forward of the *updated* actor; critic samples weighted by the
+            # truncated per-token ratio pi_new / pi_old (reconstructed details, see docs)
+            new_lp = self._signals(batch, frozenset())["logprobs"]
+            w = pact_critic_is_weights(new_lp, old_logprobs, mask, low=self.cfg.critic.pact_is_low, high=self.cfg.critic.pact_is_high)
+            rewards = batch["rewards"]
+            cfg_p = self.credit.configs["pact"]
+            lo, hi = cfg_p.reward_range
+            for _ in range(self.cfg.critic.steps):
+                self.critic_opt.zero_grad(set_to_none=True)
+                logits = self.critic(hidden[:, :-1]).squeeze(-1)
+                loss = pact_critic_loss(logits, (rewards - lo) / (hi - lo), mask, weights=w)
+                _check_finite(loss.detach(), "critic loss", self.step + 1)
+                loss.backward()
+                self.critic_opt.step()
+            return {"critic/loss": float(loss.detach()), "critic/is_kept_frac": float(((w > 0) & mask.bool()).sum() / mask.sum())}
+        returns = credit.returns
+        for _ in range(self.cfg.critic.steps):
+            self.critic_opt.zero_grad(set_to_none=True)
+            v = self.critic(hidden[:, :-1]).squeeze(-1)
+            loss = ((v - returns) ** 2 * mask).sum() / mask.sum().clamp_min(1)
+            _check_finite(loss.detach(), "critic loss", self.step + 1)
+            loss.backward()
+            self.critic_opt.step()
+        return {"critic/loss": float(loss.detach())}
+
+    # -- eval -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        ex = self.task.eval
+        k = self.cfg.log.eval_samples
+        greedy, meank, samples = [], [], []
+        chunk = 16
+        for s in range(0, len(ex), chunk):
+            part = ex[s : s + chunk]
+            rb = self._generate(part, num_samples=1, temperature=0.0)
+            for i, text in enumerate(rb.texts):
+                greedy.append(self.task.reward(text, part[i]))
+                samples.append({"id": part[i].id, "question": part[i].question, "answer": part[i].answer, "greedy": text, "reward": greedy[-1]})
+            if k > 0:
+                rbk = self._generate(part, num_samples=k, temperature=self.cfg.rollout.temperature)
+                for i, text in enumerate(rbk.texts):
+                    meank.append(self.task.reward(text, part[int(rbk.prompt_index[i])]))
+        metrics = {"eval/greedy_acc": float(np.mean(greedy)) if greedy else 0.0}
+        if meank:
+            metrics[f"eval/mean@{k}"] = float(np.mean(meank))
+        d = self.out / "eval"
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / f"samples_step_{self.step:08d}.jsonl", "w") as f:
+            for row in samples:
+                f.write(json.dumps(row) + "\n")
+        if self.cfg.log.save_rollouts and getattr(self, "_last_batch", None) is not None:
+            self._save_rollouts(d / f"rollouts_step_{self.step:08d}.pt")
+        return metrics
+
+    def _save_rollouts(self, path: Path) -> None:
+        """The last training batch with every signal we can compute, for later inspection."""
+        lb = self._last_batch
+        batch, cb, credit = lb["batch"], lb["credit_batch"], lb["credit"]
+        fields = {k: v for k, v in cb.to_dict().items() if v is not None}
+        ids = batch["response_ids"]
+        tokens = [[self.tokenizer.decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, batch["response_mask"])]
+        torch.save({
+            "credit": self.credit.name,
+            "step": self.step,
+            "signals": fields,
+            "advantages": credit.advantages,
+            "token_weights": credit.token_weights,
+            "response_ids": ids,
+            "tokens": tokens,
+            "texts": batch["texts"],
+            "questions": [batch["examples"][int(i)].question for i in batch["prompt_index"]],
+        }, path)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        trainable = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "model": trainable,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "credit": self.credit.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "critic_opt": self.critic_opt.state_dict() if self.critic is not None else None,
+            "rng": rng_state(),
+            "config": config_to_dict(self.cfg),
+        }
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        params = dict(self.model.named_parameters())
+        missing = sorted(n for n, p in params.items() if p.requires_grad and n not in sd["model"])
+        extra = sorted(n for n in sd["model"] if n not in params)
+        if missing or extra:
+            raise KeyError(f"checkpoint model weights: missing {missing[:5]}, unexpected {extra[:5]}")
+        with torch.no_grad():
+            for n, v in sd["model"].items():
+                params[n].copy_(v)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.credit.load_state_dict(sd["credit"])
+        if self.critic is not None:
+            self.critic.load_state_dict(sd["critic"])
+            self.critic_opt.load_state_dict(sd["critic_opt"])
+        self.step, self.epoch, self.offset = sd["step"], sd["epoch"], sd["offset"]
+        self._order = self._permutation(self.epoch)
+        set_rng_state(sd["rng"])
+
+    def save(self) -> Path:
+        return save_checkpoint(self.out / "checkpoints", self.step, self.state_dict(), keep_last=self.cfg.keep_last)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _log(self, metrics: Dict[str, float]) -> None:
+        self._metrics_file.write(json.dumps(metrics) + "\n")
+        self._metrics_file.flush()
+        for w in self._writers:
+            w(metrics, self.step)
+
+    def _open_logs(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2))
+        self._metrics_file = open(self.out / "metrics.jsonl", "a")
+        if self.cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb = SummaryWriter(str(self.out / "tensorboard"))
+            self._writers.append(lambda m, s: [tb.add_scalar(k, v, s) for k, v in m.items()])
+        if self.cfg.log.wandb:
+            import wandb
+
+            wandb.init(project=self.cfg.log.wandb_project, config=config_to_dict(self.cfg), dir=str(self.out))
+            self._writers.append(lambda m, s: wandb.log(m, step=s))
+
+    def train(self) -> Dict[str, float]:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        if cfg.resume:
+            ck = latest_checkpoint(self.out / "checkpoints")
+            if ck is None:
+                raise FileNotFoundError(f"--resume: no checkpoint under {self.out / 'checkpoints'}")
+            self.load_state_dict(load_checkpoint(ck))
+            print(f"resumed from {ck} at step {self.step}")
+        self._open_logs()
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.log.progress, desc=f"train {self.credit.name}")
+        last: Dict[str, float] = {}
+        try:
+            while self.step < cfg.steps:
+                metrics = self.train_step()
+                self.step += 1
+                if self.step % cfg.log.eval_every == 0 or self.step == cfg.steps:
+                    metrics.update(self.evaluate())
+                self._log(metrics)
+                last = metrics
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.2f}",
+                    entropy=f"{metrics.get('entropy/mean', float('nan')):.3f}",
+                    tok_s=f"{metrics.get('time/tokens_per_s', 0):.0f}",
+                    acc=f"{metrics.get('eval/greedy_acc', float('nan')):.2f}",
+                )
+                if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                    self.save()
+        except KeyboardInterrupt:
+            path = self.save()
+            print(f"\ninterrupted at step {self.step}: checkpoint written to {path}; continue with --resume")
+        finally:
+            bar.close()
+            self._metrics_file.close()
+        return last
+
+    def export(self, path: Optional[str] = None) -> Path:
+        """Save the final model (or adapter) and tokenizer in Hugging Face format."""
+        p = Path(path) if path else self.out / "final"
+        self.model.save_pretrained(p)
+        self.tokenizer.save_pretrained(p)
+        if self.critic is not None:
+            torch.save(self.critic.state_dict(), p / "value_head.pt")
+        return p
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _frozen_copy(model):
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def _schedule(kind: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return 1.0 - frac
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * frac))
+        raise ValueError(f"optim.schedule: expected constant, linear or cosine, got {kind!r}")
+
+    return f
+
+
+def _policy_loss_config(loss, lc):
+    """Build the registered policy loss's config from LossConfig (only the keys it has)."""
+    cls = loss.config_cls
+    names = {f.name for f in dataclasses.fields(cls)}
+    candidates = {
+        "clip_low": lc.clip_low,
+        "clip_high": lc.clip_high,
+        "dual_clip": lc.dual_clip,
+        "agg_mode": lc.agg_mode,
+    }
+    return cls(**{k: v for k, v in candidates.items() if k in names})
+
+
+def _join(tokenizer, prompt_texts, response_ids, response_mask, prefix=""):
+    """Left-padded prompts + right-padded responses -> one [N, P + T] input."""
+    enc = tokenizer(prompt_texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    ids = torch.cat([enc["input_ids"], response_ids], dim=1)
+    att = torch.cat([enc["attention_mask"], response_mask.to(enc["attention_mask"].dtype)], dim=1)
+    return {f"{prefix}input_ids": ids, f"{prefix}attention_mask": att, f"{prefix}prompt_len": enc["input_ids"].shape[1]}
+
+
+def _merge(parts, tokenizer, group_size: int):
+    """Concatenate the kept groups of one or more rollout rounds into one padded batch."""
+    rows = []
+    examples = []
+    for part in parts:
+        rb, keep = part["rb"], part["keep"]
+        base = len(examples)
+        examples.extend(part["examples"])
+        for i in range(len(rb.texts)):
+            if keep[i]:
+                rows.append((part, i, base + int(rb.prompt_index[i])))
+    if not rows:
+        return None
+    pad = tokenizer.pad_token_id
+    P = max(int(p["rb"].prompt_ids.shape[1]) for p, _, _ in rows)
+    T = max(int(p["rb"].response_mask[i].sum()) for p, i, _ in rows)
+    T = max(T, 1)
+    N = len(rows)
+    prompt_ids = torch.full((N, P), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((N, P), dtype=torch.long)
+    resp = torch.full((N, T), pad, dtype=torch.long)
+    rmask = torch.zeros((N, T), dtype=torch.long)
+    blp = torch.zeros((N, T))
+    rewards = torch.zeros(N)
+    truncated = torch.zeros(N, dtype=torch.bool)
+    pidx = torch.zeros(N, dtype=torch.long)
+    texts = []
+    for j, (part, i, gi) in enumerate(rows):
+        rb = part["rb"]
+        p_ids, p_m = rb.prompt_ids[i], rb.prompt_mask[i]
+        prompt_ids[j, P - p_ids.shape[0] :] = p_ids
+        prompt_mask[j, P - p_m.shape[0] :] = p_m
+        L = int(rb.response_mask[i].sum())
+        resp[j, :L] = rb.response_ids[i, :L]
+        rmask[j, :L] = 1
+        blp[j, :L] = rb.behaviour_logprobs[i, :L]
+        rewards[j] = part["rewards"][i]
+        truncated[j] = bool(rb.truncated[i])
+        pidx[j] = gi
+        texts.append(rb.texts[i])
+    return {
+        "input_ids": torch.cat([prompt_ids, resp], 1),
+        "attention_mask": torch.cat([prompt_mask, rmask], 1),
+        "prompt_len": P,
+        "response_ids": resp,
+        "response_mask": rmask,
+        "behaviour_logprobs": blp,
+        "rewards": rewards,
+        "truncated": truncated,
+        "prompt_index": pidx,
+        "texts": texts,
+        "examples": examples,
+    }
