@@ -100,7 +100,9 @@ class DapoConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, regenerate to fill
     max_rounds: int = 3  # bounded regeneration
     overlong_shaping: bool = False
-    overlong_cache: int = 8  # C: penalty ramps over the last C tokens before max_new_tokens
+    # C: the penalty ramps over the last C tokens before max_new_tokens. None = max_new_tokens // 5,
+    # the DAPO paper's proportion (a 4096-token cache on a 20480-token maximum)
+    overlong_cache: Optional[int] = None
 
 
 @dataclass
@@ -117,7 +119,8 @@ class LogConfig:
 @dataclass
 class TrainConfig:
     credit: str = "grpo"  # a credit spec ("grpo+taco", "oppo+stare") or a recipe ("dapo")
-    credit_config: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # {"taco": {"lam": 0.5}}
+    # method hyperparameters as "method.field=value" (values parsed as YAML): taco.lam=0.5 stare.P=0.2
+    credit_args: Tuple[str, ...] = ()
     steps: int = 30
     seed: int = 0
     output_dir: str = "runs/default"
@@ -145,6 +148,18 @@ class TrainConfig:
             )
         if self.rollout.temperature < 0:
             raise ValueError(f"rollout.temperature: expected >= 0, got {self.rollout.temperature}")
+
+
+def parse_credit_args(args) -> Dict[str, Dict[str, Any]]:
+    """("taco.lam=0.5", "stare.variant=C2") -> {"taco": {"lam": 0.5}, "stare": {"variant": "C2"}}."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for a in args:
+        if "=" not in a or "." not in a.split("=", 1)[0]:
+            raise ValueError(f"credit_args: expected 'method.field=value', got {a!r}")
+        key, value = a.split("=", 1)
+        method, name = key.split(".", 1)
+        out.setdefault(method, {})[name] = yaml.safe_load(value)
+    return out
 
 
 #: recipes: a name usable as --credit that sets a credit spec plus overrides (the DAPO paper's)

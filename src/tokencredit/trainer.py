@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .batch import CreditBatch
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import TrainConfig, config_to_dict
+from .config import TrainConfig, config_to_dict, parse_credit_args
 from .spec import CreditPipeline
 
 __all__ = ["Trainer", "NonFiniteError", "forward_response"]
@@ -90,7 +90,7 @@ class Trainer:
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         )
-        self.credit = CreditPipeline(cfg.credit, cfg.credit_config)
+        self.credit = CreditPipeline(cfg.credit, parse_credit_args(cfg.credit_args))
         need = set(self.credit.required_signals)
         if cfg.loss.kl_coef > 0:
             need.add("ref_logprobs")
@@ -172,7 +172,18 @@ class Trainer:
         return out
 
     # -- rollout + reward ------------------------------------------------------------------
-    def _generate(self, examples, *, num_samples: int, temperature: float):
+    def _generate(self, examples, *, num_samples: int, temperature: float, seed: Optional[int] = None):
+        from .rollout import NonFiniteLogitsError
+
+        r = self.cfg.rollout
+        try:
+            return self._generate_unchecked(examples, num_samples=num_samples, temperature=temperature, seed=seed)
+        except NonFiniteLogitsError as e:
+            raise NonFiniteError(
+                f"step {self.step + 1}: {e}; the run stops here and the last good checkpoint is left untouched"
+            ) from e
+
+    def _generate_unchecked(self, examples, *, num_samples: int, temperature: float, seed: Optional[int]):
         r = self.cfg.rollout
         return self.rollout.generate(
             [list(e.messages) for e in examples],
@@ -180,7 +191,9 @@ class Trainer:
             max_new_tokens=r.max_new_tokens,
             temperature=temperature,
             top_p=r.top_p,
-            seed=None,  # the global torch RNG drives sampling; it is checkpointed
+            # training: the global torch RNG drives sampling (it is checkpointed); eval passes a
+            # private seed so that evaluating never changes the training trajectory
+            seed=seed,
         )
 
     def _score(self, rb, examples) -> Dict[str, Any]:
@@ -199,7 +212,9 @@ class Trainer:
             from .losses import overlong_penalty
 
             lengths = rb.response_mask.sum(1)
-            rewards = rewards + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_cache)
+            L = self.cfg.rollout.max_new_tokens
+            cache = self.cfg.dapo.overlong_cache if self.cfg.dapo.overlong_cache is not None else max(1, L // 5)
+            rewards = rewards + overlong_penalty(lengths, L, cache)
         return {"rewards": rewards, "correct": correct, "failed": failed}
 
     def _collect(self) -> Dict[str, Any]:
@@ -467,7 +482,8 @@ class Trainer:
                 greedy.append(self.task.reward(text, part[i]))
                 samples.append({"id": part[i].id, "question": part[i].question, "answer": part[i].answer, "greedy": text, "reward": greedy[-1]})
             if k > 0:
-                rbk = self._generate(part, num_samples=k, temperature=self.cfg.rollout.temperature)
+                rbk = self._generate(part, num_samples=k, temperature=self.cfg.rollout.temperature,
+                                     seed=self.cfg.seed * 1_000_003 + self.step * 1009 + s)
                 for i, text in enumerate(rbk.texts):
                     meank.append(self.task.reward(text, part[int(rbk.prompt_index[i])]))
         metrics = {"eval/greedy_acc": float(np.mean(greedy)) if greedy else 0.0}

@@ -1,1 +1,249 @@
-"""placeholder: being written"""
+"""OPPO (Oracle-Prompted Policy Optimization): the oracle log-ratio as a Bayesian belief update.
+
+Evidence from one extra forward pass of an oracle O that sees the reference answer
+(x+ = x plus the answer, :func:`oracle_prompt`), on the policy's own tokens:
+
+    e_t     = clip(log pi_O(y_t | x+, y_<t) - log pi_theta(y_t | x, y_<t), -c, c)   detached
+    V_0     = clip(prior success rate of the group, eps, 1 - eps)
+    V_t     = clip(V_{t-1} * exp(e_t), eps, 1 - eps)          over valid tokens (holes skipped)
+    V_last  := R                                              at the last valid token, R in [0, 1]
+    A_t     = V_t - V_{t-1}                                   (accumulate and state_weight on)
+
+Bayes' rule P(S | h_t) = P(S | h_{t-1}) pi(y_t | h_{t-1}, S) / pi(y_t | h_{t-1}), with the
+success-conditioned policy pi(. | S) approximated by the oracle-prompted model, gives the
+update; V_t is then a running success probability and the credits telescope,
+``sum_t A_t = R - V_0`` for every response with a valid token.
+
+To first order A_t ~ V_{t-1}(1 - V_{t-1}) e_t: a discrimination signal e_t times a state weight
+that is largest where success is most uncertain. When ``accumulate`` and ``state_weight`` are
+not both on, that first-order form is used:
+
+    A_t = g_t * e_t,   g_t = V_{t-1}(1 - V_{t-1})  if state_weight  (V from the recursion if
+                                                                     accumulate, else V_0)
+                       g_t = 1                     otherwise
+
+so with ``state_weight=False`` the advantage is exactly e_t, the OPD reward (``opd.py``).
+
+Direction anchoring (``anchor``) forces sign(A_t) = sign(A_b), A_b = R - mean_g R: "zero"
+zeroes the tokens that disagree, "flip" uses |A_t| sign(A_b). Where A_b = 0 (the response is
+at its group's mean, e.g. all rewards equal) there is no outcome direction to anchor to and
+every token gets 0 credit, as under GRPO. Anchoring breaks the telescoping sum.
+
+Provenance: the claims (Bayesian-update reading, running success probability, factorisation,
+OPD as the self-oracle special case) are the paper's abstract; the recursion, the clips, the
+prior, the terminal condition, the anchoring modes and the oracle template are a
+**reconstruction** (methods.md, section OPPO), not the authors' exact algorithm.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..batch import CreditBatch, CreditInputError
+from ..diagnostics import sign_agreement
+from ..ops import group_mean, groups_of, masked_fill_zero, masked_mean
+from ..registry import CreditOutput, register_estimator
+from .opd import distillation_evidence
+
+__all__ = ["OPPOConfig", "oppo", "oracle_prompt", "belief_trajectory", "DEFAULT_ORACLE_TEMPLATE"]
+
+# reconstructed (methods.md: "x+ = x plus the reference answer, a documented template"). The
+# answer is given as privileged context and the model is still asked to reason, so that the
+# oracle scores the policy's reasoning tokens as a success-conditioned policy would.
+DEFAULT_ORACLE_TEMPLATE = (
+    "{prompt}\n\n"
+    "(A correct final answer to this problem is: {answer}. "
+    "Reason step by step toward it.)"
+)
+
+_PLACEHOLDER = re.compile(r"\{(prompt|answer)\}")
+
+# the concentration metric reports the |A| mass on the top 1/_TOP_DIVISOR of a trajectory's
+# tokens (10 %), rounded up; integer arithmetic avoids ceil(30 * 0.1) = 4 in floating point
+_TOP_DIVISOR = 10
+
+
+def _check_template(template: object, where: str) -> None:
+    if not isinstance(template, str):
+        raise ValueError(f"{where}: expected a string with {{prompt}} and {{answer}}, got {type(template).__name__}")
+    for key in ("{prompt}", "{answer}"):
+        if key not in template:
+            raise ValueError(f"{where}: expected the placeholder {key} in the template, got {template!r}"[:300])
+
+
+def oracle_prompt(prompt: str, answer: str, template: str = DEFAULT_ORACLE_TEMPLATE) -> str:
+    """The oracle prompt x+: ``template`` with ``{prompt}`` and ``{answer}`` filled in.
+
+    Substitution is a single pass over the template, so braces elsewhere in the template
+    (LaTeX such as ``\\boxed{}``) and placeholders inside the prompt or answer are left as they are.
+    """
+    _check_template(template, "oracle_prompt template")
+    if not isinstance(prompt, str):
+        raise TypeError(f"oracle_prompt prompt: expected str, got {type(prompt).__name__}")
+    if not isinstance(answer, str):
+        answer = str(answer)
+    values = {"prompt": prompt, "answer": answer}
+    return _PLACEHOLDER.sub(lambda mt: values[mt.group(1)], template)
+
+
+@dataclass
+class OPPOConfig:
+    # reconstructed: bounds one token's evidence so that a single tail token (where either model
+    # gives it < e^-5 ~ 0.7 %) cannot alone drive the belief to a bound; serves the claim that the
+    # accumulated ratio is a usable running success probability. math.inf disables the clip.
+    evidence_clip: float = 5.0
+    # reconstructed: keeps V off 0 and 1 (both would be absorbing for a multiplicative update)
+    # and the state weight V(1 - V) >= ~eps
+    eps: float = 1e-3
+    # reconstructed (methods.md: "prior V_0 = group success rate"); "leave_one_out" excludes
+    # the response's own outcome from its prior
+    prior: str = "group_mean"
+    # paper claim "accumulating it gives a running success probability"; off: V stays at V_0
+    accumulate: bool = True
+    # paper claim "a state weight concentrated on pivotal tokens"; off (with either flag off
+    # the first-order form A_t = g_t e_t is used) gives A_t = e_t, the OPD reward
+    state_weight: bool = True
+    # methods.md "direction anchoring" option: "off" | "zero" | "flip"
+    anchor: str = "off"
+    # informational for the trainer: which model scores the oracle prompt, the policy itself
+    # ("self", self-oracle, recovers SDPO/OPD) or a frozen stronger model ("teacher")
+    oracle: str = "self"
+    # reconstructed: x+ = x plus the reference answer; see DEFAULT_ORACLE_TEMPLATE
+    oracle_template: str = DEFAULT_ORACLE_TEMPLATE
+
+    def __post_init__(self):
+        c = self.evidence_clip
+        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):
+            raise ValueError(f"oppo evidence_clip: expected a number > 0 (math.inf for no clip), got {c!r}")
+        if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 0.5):
+            raise ValueError(f"oppo eps: expected a number in (0, 0.5), got {self.eps!r}")
+        if self.prior not in ("group_mean", "leave_one_out"):
+            raise ValueError(f"oppo prior: expected 'group_mean' or 'leave_one_out', got {self.prior!r}")
+        for name in ("accumulate", "state_weight"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"oppo {name}: expected a bool, got {getattr(self, name)!r}")
+        if self.anchor not in ("off", "zero", "flip"):
+            raise ValueError(f"oppo anchor: expected 'off', 'zero' or 'flip', got {self.anchor!r}")
+        if self.oracle not in ("self", "teacher"):
+            raise ValueError(f"oppo oracle: expected 'self' or 'teacher', got {self.oracle!r}")
+        _check_template(self.oracle_template, "oppo oracle_template")
+
+
+def belief_trajectory(v0: Tensor, evidence: Tensor, mask: Tensor, eps: float):
+    """The clipped multiplicative belief recursion over valid tokens.
+
+    Returns ``(before, after)``, both [B, T]: ``before[:, t] = V_{t-1}`` (the belief before
+    token t, V_0 at the first valid token) and ``after[:, t] = V_t``. At a masked position
+    the belief is carried unchanged, so holes and padding do not move it.
+    """
+    v = v0
+    before, after = [], []
+    for t in range(mask.shape[1]):
+        before.append(v)
+        # exp may overflow to inf for an unclipped huge e; v >= eps > 0 so the product is inf,
+        # never NaN, and the clamp brings it back to 1 - eps
+        nxt = (v * torch.exp(evidence[:, t])).clamp(eps, 1.0 - eps)
+        v = torch.where(mask[:, t], nxt, v)
+        after.append(v)
+    return torch.stack(before, 1), torch.stack(after, 1)
+
+
+def _top_mass(adv: Tensor, mask: Tensor, divisor: int = _TOP_DIVISOR) -> float:
+    """Mean over trajectories with credit of the share of sum|A| held by the top ceil(n / divisor) tokens."""
+    a = masked_fill_zero(adv.abs(), mask)
+    srt = a.sort(dim=1, descending=True).values
+    cum = srt.cumsum(1)
+    n = mask.sum(1)
+    k = ((n + divisor - 1) // divisor).clamp_min(1)
+    top = cum.gather(1, (k - 1).clamp_max(a.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    total = cum[:, -1]
+    rows = (n > 0) & (total > 0)
+    if not bool(rows.any()):
+        return 0.0
+    return (top[rows] / total[rows]).mean().item()
+
+
+@register_estimator(
+    "oppo",
+    config=OPPOConfig,
+    requires=("oracle_logprobs", "logprobs"),
+    provenance="reconstructed",
+    summary="oracle-prompted log-ratio accumulated as a Bayesian success belief; credit = belief increments",
+    needs_groups=True,
+)
+def oppo(batch: CreditBatch, config: OPPOConfig) -> CreditOutput:
+    batch.require("oppo", ("oracle_logprobs", "logprobs"))
+    g = groups_of(batch, "oppo", min_size=2)
+    m = batch.mask
+    dt = torch.promote_types(batch.rewards.dtype, batch.logprobs.dtype)
+    r = batch.rewards.detach().to(dt)
+    out = (r < 0) | (r > 1)
+    if bool(out.any()):
+        i = int(out.nonzero()[0])
+        raise CreditInputError(
+            f"rewards: method 'oppo' needs outcomes in [0, 1] (the terminal belief is the outcome, a "
+            f"success probability), got {r[i].item()} at index {i}"
+        )
+    eps = float(config.eps)
+
+    mean_g = group_mean(r, g)
+    if config.prior == "group_mean":
+        prior = mean_g
+    else:
+        k = g.counts.to(dt)[g.index]
+        prior = (mean_g * k - r) / (k - 1)
+    v0 = prior.clamp(eps, 1.0 - eps)
+
+    e, raw = distillation_evidence(batch, config.evidence_clip)
+    e = e.to(dt)
+    before, after = belief_trajectory(v0, e, m, eps)
+
+    T = m.shape[1]
+    pos = torch.arange(T, device=m.device).unsqueeze(0)
+    last = torch.where(m, pos, torch.full_like(pos, -1)).max(dim=1).values
+    is_last = m & (pos == last.unsqueeze(1))
+    nonempty = last >= 0
+
+    if config.accumulate and config.state_weight:
+        after_t = torch.where(is_last, r.unsqueeze(1).expand_as(after), after)
+        adv = after_t - before
+    elif config.state_weight:
+        vb = before if config.accumulate else v0.unsqueeze(1).expand_as(before)
+        adv = vb * (1.0 - vb) * e
+    else:
+        adv = e
+    adv = masked_fill_zero(adv, m)
+
+    seq_adv = r - mean_g
+    if config.anchor != "off":
+        s = torch.sign(seq_adv).unsqueeze(1)
+        if config.anchor == "zero":
+            adv = torch.where(torch.sign(adv) == s, adv, torch.zeros_like(adv))
+        else:
+            adv = adv.abs() * s
+        adv = masked_fill_zero(adv, m)
+
+    # diagnostics of the belief (always from the accumulated recursion, before V_last := R)
+    final = after.gather(1, last.clamp_min(0).unsqueeze(1)).squeeze(1)
+    sw = before * (1.0 - before)
+    at_bound = m & ((after <= eps) | (after >= 1.0 - eps))
+    clip = config.evidence_clip
+    clipped = m & (raw.abs() > clip)
+    metrics = {
+        "oppo/prior_mean": v0.mean().item(),
+        "oppo/evidence_abs_mean": masked_mean(e.abs(), m).item(),
+        "oppo/evidence_mean": masked_mean(e, m).item(),
+        "oppo/clip_frac": masked_mean(clipped.to(dt), m).item(),
+        "oppo/final_belief_mean": final[nonempty].mean().item() if bool(nonempty.any()) else 0.0,
+        # does the oracle's accumulated evidence predict the outcome? (Brier score, lower = better)
+        "oppo/final_belief_brier": ((final - r) ** 2)[nonempty].mean().item() if bool(nonempty.any()) else 0.0,
+        "oppo/belief_bound_frac": masked_mean(at_bound.to(dt), m).item(),
+        "oppo/state_weight_mean": masked_mean(sw, m).item(),
+        "oppo/sign_agree_frac": sign_agreement(adv, m, seq_adv),
+        "oppo/credit_top10pct_mass": _top_mass(adv, m),
+    }
+    return CreditOutput(advantages=adv, metrics=metrics)

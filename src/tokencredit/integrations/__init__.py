@@ -1,0 +1,1 @@
+"""Integrations of tokencredit's credit methods into other trainers (``tokencredit.integrations.trl``)."""

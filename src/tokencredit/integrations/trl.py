@@ -1,0 +1,570 @@
+"""Token-level credit in TRL: ``TokenCreditGRPOTrainer``, a ``trl.GRPOTrainer`` whose advantages
+come from a tokencredit credit spec.
+
+Three lines change in a TRL script::
+
+    from tokencredit.integrations.trl import TokenCreditGRPOTrainer     # was: from trl import GRPOTrainer
+    trainer = TokenCreditGRPOTrainer(model, reward_funcs=..., args=GRPOConfig(...), train_dataset=ds,
+                                     credit="grpo+taco", credit_config={"taco": {"lam": 0.5}})
+
+How it hooks in (checked against TRL 1.16.0; the private names are checked when the trainer is
+built and a missing one fails with the installed TRL version in the message):
+
+* ``_calculate_rewards`` is wrapped: it still runs TRL's reward functions; the returned
+  [N, n_funcs] rewards (gathered over processes) are kept, so the estimator sees the raw
+  weighted reward sum, not TRL's normalised advantage.
+* ``_generate_and_score_completions`` calls TRL's, then computes the signals the spec declares
+  (``CreditPipeline.required_signals``, nothing else), builds a :class:`CreditBatch` over the
+  whole generation batch of every process (groups of ``num_generations`` consecutive
+  completions may straddle processes, as in TRL) and replaces ``out["advantages"]`` (B,) by the
+  [B, T] token advantages. TRL's ``_compute_loss`` accepts [B, T] advantages (it unsqueezes
+  only 1-D ones).
+* Stateful methods (STARE's controller) step once per optimizer step (a ``TrainerCallback`` at
+  ``on_step_end``), from the rollout batch that step trained on; their state is written as
+  ``credit_state.json`` in each checkpoint (``_save_checkpoint``) and read back on resume
+  (``_load_optimizer_and_scheduler``), the pattern TRL uses for its own entropy controller.
+* Method metrics and tokencredit's credit diagnostics go to TRL's logs
+  (``self._metrics[mode][name]``) under their namespaced names (``taco/weight_mean``,
+  ``diag/weight_gini``, ...).
+
+Signals: policy ``logprobs``/``entropy`` come from TRL's ``_get_per_token_logps_and_entropies``
+(the same forward convention as its loss; the log-probs of the generation pass are reused
+when TRL computed them); ``mode_prob`` needs the logits, so a spec with it does one no-grad
+forward returning logits and takes ``logprobs``/``entropy``/``mode_prob`` from
+:func:`tokencredit.signals.token_signals`; ``ref_logprobs`` reuse TRL's reference pass when
+``beta > 0`` and are otherwise the adapter-off pass of a PEFT model; ``hidden_residual`` is the
+final hidden state with the LoRA adapter on minus off; ``oracle_logprobs`` score the completion
+after an oracle prompt built with :func:`tokencredit.methods.oppo.oracle_prompt` from the
+dataset's question and answer columns, by the policy itself (self-oracle) or by
+``oracle_model``. All signals are computed on the policy of the generation step: with TRL's
+default ``steps_per_generation == gradient_accumulation_steps`` and ``num_iterations == 1``
+that is the policy the update starts from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+
+try:
+    import trl
+    from trl import GRPOTrainer
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "tokencredit.integrations.trl needs TRL (tested with trl 1.16): pip install 'trl>=1.16,<1.17'"
+    ) from e
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..batch import CreditBatch
+from ..spec import CreditPipeline
+
+__all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION"]
+
+#: the TRL minor version this integration was written and tested against
+TESTED_TRL_VERSION = "1.16"
+#: file written into every checkpoint folder
+CREDIT_STATE_NAME = "credit_state.json"
+
+# Private GRPOTrainer / Trainer methods this integration overrides or calls, and why.
+_TRL_METHODS = {
+    "_generate_and_score_completions": "overridden: its (B,) advantages are replaced by [B, T] credit",
+    "_calculate_rewards": "wrapped: the raw per-function rewards are kept for the estimator",
+    "_get_per_token_logps_and_entropies": "called: policy, reference and self-oracle log-probs / entropy",
+    "_tokenize_prompts": "called: oracle prompts are tokenised as TRL tokenises prompts",
+    "_compute_loss": "relied on: it accepts [B, T] advantages",
+    "_save_checkpoint": "overridden: writes credit_state.json into the checkpoint",
+    "_load_optimizer_and_scheduler": "overridden: reads credit_state.json on resume",
+    "_get_output_dir": "called: locates the checkpoint folder",
+}
+# Instance attributes read after GRPOTrainer.__init__.
+_TRL_ATTRIBUTES = (
+    "_metrics", "_logs", "reward_weights", "num_generations", "num_generations_eval", "temperature",
+    "beta", "ref_model", "accelerator", "_tokenizer",
+)
+# Multimodal keys of TRL's generation output that its log-prob helper takes as keyword arguments.
+_MM_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+
+def _trl_problem(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"TokenCreditGRPOTrainer: {what}. It was written against TRL {TESTED_TRL_VERSION}.x and depends on "
+        f"GRPOTrainer internals; the installed TRL is {trl.__version__}. Install trl>={TESTED_TRL_VERSION},<1.17 "
+        f"or use tokencredit's own trainer."
+    )
+
+
+def _check_trl_methods() -> None:
+    for name, why in _TRL_METHODS.items():
+        if not callable(getattr(GRPOTrainer, name, None)):
+            raise _trl_problem(f"trl.GRPOTrainer has no method {name!r} ({why})")
+
+
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _model_name(model) -> str:
+    return f"model {model!r}" if isinstance(model, str) else f"a {type(model).__name__}"
+
+
+# -- JSON round trip of method state (tensors become tagged lists) ------------------------
+def _to_json(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return {"__tensor__": x.detach().cpu().tolist(), "dtype": str(x.dtype).replace("torch.", "")}
+    if isinstance(x, dict):
+        return {str(k): _to_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_json(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return x.item()
+    return x
+
+
+def _from_json(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"__tensor__", "dtype"}:
+            return torch.tensor(x["__tensor__"], dtype=getattr(torch, x["dtype"]))
+        return {k: _from_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_from_json(v) for v in x]
+    return x
+
+
+class _CreditStepCallback(TrainerCallback):
+    """Steps the stateful credit methods once per optimizer step (``on_step_end`` fires after the
+    optimizer step, never per micro-batch, and before logging and checkpointing)."""
+
+    def __init__(self, trainer: "TokenCreditGRPOTrainer"):
+        self._trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._trainer._credit_controller_step()
+        return control
+
+
+class TokenCreditGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with token-level advantages from a tokencredit credit spec.
+
+    Args (besides every ``GRPOTrainer`` argument, passed through unchanged):
+        credit: a credit spec, e.g. ``"grpo"``, ``"grpo+taco"``, ``"oppo+stare"``, ``"rloo+arca"``.
+        credit_config: per-method overrides by method name, e.g. ``{"taco": {"lam": 0.5}}``.
+        prompt_column: dataset column holding the question that the oracle prompt is built from
+            (OPPO / OPD only). When it holds a conversation, its last user message is the question.
+        answer_column: dataset column with the reference answer (OPPO / OPD only).
+        oracle_model: a frozen model (same tokenizer) that scores the oracle prompt instead of the
+            policy (teacher-oracle). ``None``: the policy itself (self-oracle).
+
+    After each generation, ``last_credit_batch`` (the :class:`CreditBatch` of the whole generation
+    batch, all processes) and ``last_credit_output`` hold what the credit was computed from.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        credit: str = "grpo",
+        credit_config: Optional[Dict[str, Any]] = None,
+        prompt_column: str = "prompt",
+        answer_column: str = "answer",
+        oracle_model: Optional[torch.nn.Module] = None,
+        **kwargs: Any,
+    ):
+        import inspect
+
+        _check_trl_methods()
+        if not trl.__version__.startswith(TESTED_TRL_VERSION + "."):
+            warnings.warn(
+                f"TokenCreditGRPOTrainer was tested with TRL {TESTED_TRL_VERSION}.x; the installed TRL is "
+                f"{trl.__version__}. The internals it needs are present, but check the credit it computes.",
+                stacklevel=2,
+            )
+        self.credit = CreditPipeline(credit, dict(credit_config or {}))
+        need = self.credit.required_signals
+        self._credit_need = need
+
+        if "values" in need:
+            methods = [m.name for m in self.credit.methods if "values" in m.requires]
+            raise ValueError(
+                f"credit '{self.credit.name}': method(s) {methods} need a critic's values, which TRL's "
+                f"GRPOTrainer does not train. Use tokencredit's own trainer (tokencredit train --credit "
+                f"{self.credit.name}) or verl for critic-based credit."
+            )
+
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        model = bound.get("model")
+        cfg = bound.get("args")
+        peft_config = bound.get("peft_config")
+        uses_peft = peft_config is not None or _is_peft(model)
+
+        if cfg is not None:
+            scale = {True: "group", False: "none"}.get(cfg.scale_rewards, cfg.scale_rewards)
+            if scale != "group":
+                raise ValueError(
+                    f"scale_rewards: TokenCreditGRPOTrainer replaces TRL's advantage normalisation by the credit "
+                    f"spec's estimator, so scale_rewards must stay 'group' (its default); got {cfg.scale_rewards!r}. "
+                    f"For no std scaling use credit='dr_grpo...' or credit_config={{'grpo': {{'std_normalize': False}}}}."
+                )
+            if cfg.multi_objective_aggregation != "sum_then_normalize":
+                raise ValueError(
+                    f"multi_objective_aggregation: expected 'sum_then_normalize' (the estimator receives the weighted "
+                    f"sum of the raw rewards), got {cfg.multi_objective_aggregation!r}"
+                )
+        beta = cfg.beta if cfg is not None else 0.0
+
+        if "hidden_residual" in need and not uses_peft:
+            raise ValueError(
+                f"credit '{self.credit.name}' needs hidden_residual, the LoRA adapter's hidden-state residual "
+                f"(ARCA): pass peft_config=LoraConfig(...) or a peft LoRA model; got {_model_name(model)} "
+                f"without an adapter"
+            )
+        if "ref_logprobs" in need and beta == 0.0 and not uses_peft:
+            raise ValueError(
+                f"credit '{self.credit.name}' needs ref_logprobs: set GRPOConfig(beta=...) > 0 (TRL then keeps a "
+                f"reference model) or train a PEFT adapter (the adapter-off pass is the reference); got beta=0 "
+                f"and {_model_name(model)} without an adapter"
+            )
+
+        self.prompt_column = prompt_column
+        self.answer_column = answer_column
+        self.oracle_model = oracle_model
+        est_cfg = self.credit.configs[self.credit.estimator.name]
+        self._oracle_template = getattr(est_cfg, "oracle_template", None)
+        if "oracle_logprobs" in need:
+            wants = getattr(est_cfg, "oracle", None)
+            if wants == "teacher" and oracle_model is None:
+                raise ValueError(
+                    f"credit '{self.credit.name}': {self.credit.estimator.name} oracle='teacher' needs "
+                    f"oracle_model=<a frozen model with the policy's tokenizer>, got oracle_model=None"
+                )
+            if wants == "self" and oracle_model is not None:
+                raise ValueError(
+                    f"credit '{self.credit.name}': oracle_model was given but {self.credit.estimator.name} "
+                    f"oracle='self'; set credit_config={{'{self.credit.estimator.name}': {{'oracle': 'teacher'}}}}"
+                )
+            ds = bound.get("train_dataset")
+            cols = getattr(ds, "column_names", None)
+            if isinstance(cols, list):
+                missing = [c for c in dict.fromkeys([prompt_column, answer_column]) if c not in cols]
+                if missing:
+                    raise ValueError(
+                        f"credit '{self.credit.name}' builds oracle prompts from dataset columns "
+                        f"prompt_column={prompt_column!r} and answer_column={answer_column!r}; the train dataset "
+                        f"lacks {missing} (its columns: {cols})"
+                    )
+        elif oracle_model is not None:
+            raise ValueError(f"oracle_model: credit '{self.credit.name}' reads no oracle log-probs, got a model")
+
+        super().__init__(*args, **kwargs)
+
+        for attr in _TRL_ATTRIBUTES:
+            if not hasattr(self, attr):
+                raise _trl_problem(f"GRPOTrainer instance has no attribute {attr!r}")
+        if "hidden_residual" in need:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            active = getattr(unwrapped, "active_adapter", "default")
+            pcfg = getattr(unwrapped, "peft_config", {}).get(active)
+            ptype = str(getattr(getattr(pcfg, "peft_type", None), "value", getattr(pcfg, "peft_type", None)))
+            if ptype != "LORA":
+                raise ValueError(
+                    f"credit '{self.credit.name}' needs hidden_residual from a LoRA adapter; the model's active "
+                    f"adapter {active!r} is of type {ptype}"
+                )
+        if self.oracle_model is not None:
+            self.oracle_model.to(self.accelerator.device).eval().requires_grad_(False)
+        self._tc_rewards_per_func: Optional[torch.Tensor] = None
+        self._tc_step_batch: Optional[CreditBatch] = None
+        self.last_credit_batch: Optional[CreditBatch] = None
+        self.last_credit_output = None
+        self._tc_warned_eval = False
+        self.add_callback(_CreditStepCallback(self))
+
+    # -- TRL hooks -------------------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._tc_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._tc_rewards_per_func = None
+        out = super()._generate_and_score_completions(inputs)
+        if self._tc_rewards_per_func is None:
+            raise _trl_problem("GRPOTrainer._generate_and_score_completions did not call _calculate_rewards")
+        mode = "train" if self.model.training else "eval"
+        k = self.num_generations if mode == "train" else self.num_generations_eval
+        if k < 2:
+            # eval with one generation per prompt: no group to compare with; TRL's (zero) advantages stay
+            if not self._tc_warned_eval:
+                warnings.warn(
+                    f"num_generations_eval={k}: token credit needs groups of >= 2 completions; eval keeps TRL's "
+                    f"advantages",
+                    stacklevel=2,
+                )
+                self._tc_warned_eval = True
+            return out
+        batch, local = self._credit_batch(out, inputs, k)
+        res = self.credit(batch, update_state=False)
+        B, T = out["completion_ids"].shape
+        lo = self.accelerator.process_index * B
+        out["advantages"] = res.advantages[lo : lo + B, :T].to(out["completion_ids"].device, torch.float32)
+        from ..diagnostics import credit_diagnostics
+
+        for name, value in {**res.metrics, **credit_diagnostics(batch, res)}.items():
+            self._metrics[mode][name].append(float(value))
+        self._replace_logged_advantages(res.advantages, batch.mask)
+        self.last_credit_batch = batch
+        self.last_credit_output = res
+        if mode == "train":
+            self._tc_step_batch = batch
+        return out
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            payload = {"spec": self.credit.name, "state": _to_json(self.credit.state_dict())}
+            with open(os.path.join(folder, CREDIT_STATE_NAME), "w") as f:
+                json.dump(payload, f, indent=1)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, CREDIT_STATE_NAME)
+        if not os.path.exists(path):
+            if self.credit.states:
+                warnings.warn(
+                    f"resuming from {checkpoint}, which has no {CREDIT_STATE_NAME}: the state of "
+                    f"{sorted(self.credit.states)} starts from its initial value",
+                    stacklevel=2,
+                )
+            return
+        with open(path) as f:
+            payload = json.load(f)
+        if payload.get("spec") != self.credit.name:
+            raise ValueError(
+                f"{path}: the checkpoint was trained with credit '{payload.get('spec')}', this trainer uses "
+                f"'{self.credit.name}'"
+            )
+        self.credit.load_state_dict(_from_json(payload["state"]))
+
+    # -- credit ----------------------------------------------------------------------------
+    def _credit_controller_step(self) -> None:
+        if not self.credit.states or self._tc_step_batch is None:
+            return
+        for name, value in self.credit.update_state(self._tc_step_batch).items():
+            self._metrics["train"][name].append(float(value))
+
+    def _gather_rows(self, x: torch.Tensor, pad: float) -> torch.Tensor:
+        """[B_local, T_local] on every process -> [B_global, T_max], padded with ``pad``."""
+        if self.accelerator.num_processes == 1:
+            return x
+        x = self.accelerator.pad_across_processes(x, dim=1, pad_index=pad)
+        return self.accelerator.gather(x)
+
+    def _credit_batch(self, out: Dict[str, Any], inputs, group_size: int):
+        device = out["completion_ids"].device
+        mask = out["completion_mask"]
+        if "tool_mask" in out:
+            mask = mask * out["tool_mask"]
+        signals = self._credit_signals(out, inputs) if self._credit_need else {}
+
+        rpf = self._tc_rewards_per_func.to(device)
+        rewards = (rpf * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        # every reward function returned None: no outcome. TRL zeroes such a completion's advantage;
+        # here its row is masked (zero credit) and its reward is the mean of its group's scored
+        # completions, so that it does not move the group's baseline.
+        unscorable = torch.isnan(rpf).all(dim=1)
+        N = rewards.shape[0]
+        if N % group_size:
+            raise _trl_problem(f"{N} rewards are not a multiple of num_generations={group_size}")
+        group_ids = torch.arange(N, device=device) // group_size
+        if bool(unscorable.any()):
+            grouped = torch.where(unscorable, torch.nan, rewards).view(-1, group_size)
+            fill = torch.nan_to_num(torch.nanmean(grouped, dim=1), nan=0.0).repeat_interleave(group_size)
+            rewards = torch.where(unscorable, fill, rewards)
+
+        mask_g = self._gather_rows(mask.float(), 0.0)
+        if mask_g.shape[0] != N:
+            raise _trl_problem(f"gathered {mask_g.shape[0]} completions but {N} rewards")
+        mask_g = mask_g * (~unscorable).unsqueeze(1).to(mask_g.dtype)
+        fields = {name: self._gather_rows(v.float(), float("nan")) for name, v in signals.items()}
+        batch = CreditBatch(response_mask=mask_g, rewards=rewards.float(), group_ids=group_ids, **fields)
+        return batch, signals
+
+    @torch.no_grad()
+    def _credit_signals(self, out: Dict[str, Any], inputs) -> Dict[str, torch.Tensor]:
+        need = self._credit_need
+        prompt_ids, completion_ids = out["prompt_ids"], out["completion_ids"]
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        att = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        T = completion_ids.size(1)
+        bs = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
+        mm = {k: out[k] for k in _MM_KEYS if k in out}
+        own_forward = {"mode_prob", "hidden_residual", "oracle_logprobs"} & need
+        if mm and own_forward:
+            raise NotImplementedError(
+                f"credit '{self.credit.name}': signals {sorted(own_forward)} need a forward pass that "
+                f"TokenCreditGRPOTrainer does not implement for multimodal inputs (got {sorted(mm)})"
+            )
+        sig: Dict[str, torch.Tensor] = {}
+        with self._no_checkpointing():
+            if "mode_prob" in need:
+                want = tuple(s for s in ("logprobs", "entropy", "mode_prob") if s in need)
+                sig.update(self._logits_signals(self.model, ids, att, completion_ids, bs, want))
+            elif "entropy" in need or ("logprobs" in need and out.get("old_per_token_logps") is None):
+                lp, ent, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, att, T, batch_size=bs, compute_entropy="entropy" in need, **mm
+                )
+                if "logprobs" in need:
+                    sig["logprobs"] = lp
+                if "entropy" in need:
+                    sig["entropy"] = ent
+            elif "logprobs" in need:
+                # TRL already ran the policy on this batch at generation time (same weights)
+                sig["logprobs"] = out["old_per_token_logps"]
+
+            if "ref_logprobs" in need:
+                sig["ref_logprobs"] = self._ref_logprobs(out, ids, att, T, bs, mm)
+            if "hidden_residual" in need:
+                sig["hidden_residual"] = self._hidden_residual(ids, att, T, bs)
+            if "oracle_logprobs" in need:
+                sig["oracle_logprobs"] = self._oracle_logprobs(inputs, completion_ids, out["completion_mask"], bs)
+        return {k: v.detach().float() for k, v in sig.items()}
+
+    def _no_checkpointing(self):
+        # TRL turns gradient checkpointing off around its own no-grad passes (a warning otherwise)
+        try:
+            from trl.models.utils import disable_gradient_checkpointing
+        except ImportError:
+            return contextlib.nullcontext()
+        return disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+
+    def _logits_signals(self, model, ids, att, completion_ids, bs, want):
+        """token_signals of ``completion_ids`` from a plain forward returning logits (chunked by ``bs``)."""
+        from ..signals import token_signals
+
+        T = completion_ids.size(1)
+        parts: Dict[str, list] = {}
+        for s in range(0, ids.size(0), bs):
+            with self.accelerator.autocast():
+                logits = model(input_ids=ids[s : s + bs], attention_mask=att[s : s + bs], logits_to_keep=T + 1).logits
+            got = token_signals(
+                logits[:, :-1].float(), completion_ids[s : s + bs], temperature=self.temperature, want=want
+            )
+            for k, v in got.items():
+                parts.setdefault(k, []).append(v)
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def _ref_logprobs(self, out, ids, att, T, bs, mm):
+        if out.get("ref_per_token_logps") is not None:  # beta > 0: TRL's reference pass
+            return out["ref_per_token_logps"]
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if not _is_peft(unwrapped):
+            raise ValueError(f"credit '{self.credit.name}' needs ref_logprobs: set beta > 0 or train a PEFT adapter")
+        from trl.trainer.utils import use_adapter
+
+        # TRL's rule: a re-trained adapter keeps its initial copy as adapter "ref"; a new one is off
+        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            lp, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, att, T, batch_size=bs, **mm)
+        return lp
+
+    def _final_hidden(self, ids, att, T, bs):
+        """Final hidden state (the LM head's input) at the positions that predict the completion."""
+        hs = []
+        for s in range(0, ids.size(0), bs):
+            with self.accelerator.autocast():
+                o = self.model(
+                    input_ids=ids[s : s + bs], attention_mask=att[s : s + bs], output_hidden_states=True,
+                    logits_to_keep=1, use_cache=False,
+                )
+            hs.append(o.hidden_states[-1][:, -T - 1 : -1].float())
+        return torch.cat(hs)
+
+    def _hidden_residual(self, ids, att, T, bs):
+        from ..signals import hidden_residual
+
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        h_on = self._final_hidden(ids, att, T, bs)
+        with unwrapped.disable_adapter():
+            h_off = self._final_hidden(ids, att, T, bs)
+        return hidden_residual(h_on, h_off)
+
+    def _oracle_prompts(self, inputs):
+        from ..methods.oppo import oracle_prompt
+
+        prompts = []
+        for i, x in enumerate(inputs):
+            for col in dict.fromkeys([self.prompt_column, self.answer_column, "prompt"]):
+                if col not in x:
+                    raise KeyError(
+                        f"oracle prompt: row {i} has no column {col!r} (prompt_column={self.prompt_column!r}, "
+                        f"answer_column={self.answer_column!r}); columns: {sorted(x)}"
+                    )
+            base, q, a = x["prompt"], x[self.prompt_column], x[self.answer_column]
+            if isinstance(q, list):  # a conversation: the question is its last user message
+                q = _last_user_text(q, i)
+            args = (q, a) if self._oracle_template is None else (q, a, self._oracle_template)
+            text = oracle_prompt(*args)
+            if isinstance(base, list):
+                j = _last_user_index(base, i)
+                prompts.append(base[:j] + [{**base[j], "content": text}] + base[j + 1 :])
+            else:
+                prompts.append(text)
+        return prompts
+
+    def _oracle_logprobs(self, inputs, completion_ids, completion_mask, bs):
+        from trl.trainer.utils import pad
+
+        oracle_ids, _, mm = self._tokenize_prompts(self._oracle_prompts(inputs))
+        if mm:
+            raise NotImplementedError(f"oracle prompts with multimodal fields {sorted(mm)} are not supported")
+        device = completion_ids.device
+        rows = [torch.as_tensor(r, dtype=torch.long) for r in oracle_ids]
+        pid = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
+        pmask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(device)
+        ids = torch.cat([pid, completion_ids], dim=1)
+        att = torch.cat([pmask, completion_mask.to(pmask.dtype)], dim=1)
+        T = completion_ids.size(1)
+        if self.oracle_model is not None:
+            return self._logits_signals(self.oracle_model, ids, att, completion_ids, bs, ("logprobs",))["logprobs"]
+        lp, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, att, T, batch_size=bs)
+        return lp
+
+    def _replace_logged_advantages(self, advantages: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL logs one advantage per completion (completions table): log the row's mean credit."""
+        log = getattr(self, "_logs", {}).get("advantages")
+        n = advantages.shape[0]
+        if log is None or not hasattr(log, "pop") or len(log) < n:
+            return
+        for _ in range(n):
+            log.pop()
+        m = mask.to(advantages.dtype)
+        log.extend(((advantages * m).sum(1) / m.sum(1).clamp_min(1.0)).tolist())
+
+
+def _last_user_index(messages, row: int) -> int:
+    for j in range(len(messages) - 1, -1, -1):
+        if isinstance(messages[j], dict) and messages[j].get("role") == "user":
+            if not isinstance(messages[j].get("content"), str):
+                raise NotImplementedError(
+                    f"oracle prompt: row {row}'s last user message has non-text content; only text prompts are supported"
+                )
+            return j
+    raise ValueError(f"oracle prompt: row {row}'s prompt conversation has no user message")
+
+
+def _last_user_text(messages, row: int) -> str:
+    return messages[_last_user_index(messages, row)]["content"]

@@ -1,0 +1,40 @@
+"""Losses for the policy update: pure, differentiable torch functions on ``[B, T]`` tensors.
+
+* :func:`aggregate` — token-mean / token-sum / seq-mean-token-mean / seq-mean-token-sum /
+  seq-mean-token-sum-norm (Dr. GRPO);
+* policy losses by name (:func:`get_policy_loss`): ``ppo`` (clip-higher, dual-clip) and ``sapo``;
+* :func:`kl_penalty` (k1, k2, k3) and :func:`add_kl_penalty`;
+* DAPO's reward-side pieces: :func:`overlong_penalty`, :func:`dynamic_sampling_filter`.
+"""
+
+from .aggregation import AGG_MODES, aggregate
+from .dapo import dynamic_sampling_filter, overlong_penalty
+from .kl import KL_KINDS, add_kl_penalty, kl_penalty
+from .policy import (
+    PolicyLossInfo,
+    PPOLossConfig,
+    SAPOLossConfig,
+    get_policy_loss,
+    list_policy_losses,
+    ppo_loss,
+    register_policy_loss,
+    sapo_loss,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "PPOLossConfig",
+    "PolicyLossInfo",
+    "SAPOLossConfig",
+    "add_kl_penalty",
+    "aggregate",
+    "dynamic_sampling_filter",
+    "get_policy_loss",
+    "kl_penalty",
+    "list_policy_losses",
+    "overlong_penalty",
+    "ppo_loss",
+    "register_policy_loss",
+    "sapo_loss",
+]

@@ -1,0 +1,295 @@
+"""Rollouts: K sampled responses per chat prompt, with the behaviour policy's log-probs.
+
+    rb = HFRollout(model, tokenizer).generate(prompts, num_samples=4, max_new_tokens=64,
+                                              temperature=0.7, top_p=1.0, seed=None)
+    rb.response_ids, rb.response_mask, rb.behaviour_logprobs, rb.prompt_index, rb.texts
+
+Layout of a :class:`RolloutBatch` (N = prompts x num_samples rows; the samples of one prompt
+are contiguous, ``prompt_index`` says which prompt a row answers):
+
+    prompt_ids     [N, P]  left-padded (the layout generation used)
+    response_ids   [N, T]  right-padded with the pad token
+    response_mask  [N, T]  1 up to and including the first EOS, 0 after it
+    truncated      [N]     True when the response hit max_new_tokens without an EOS
+
+``behaviour_logprobs[i, t] = log_softmax(logits_t / temperature)[response_ids[i, t]]`` from the
+raw logits ``generate`` returns (``output_logits=True``), i.e. the temperature-scaled policy the
+tokens were drawn from. Top-p truncation is NOT reflected (a token inside the nucleus has a
+larger probability under the truncated distribution); TRL and verl likewise recompute the
+old log-probs with a plain forward, and with ``top_p = 1`` (the default) there is nothing to
+reflect. Greedy decoding (``temperature == 0``) reports ``log_softmax(logits)`` (temperature 1).
+Masked positions hold 0.
+
+A vLLM (or other) backend only has to implement :class:`RolloutBackend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["HFRollout", "RolloutBackend", "RolloutBatch", "NonFiniteLogitsError", "response_mask_from_ids"]
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """The policy produced NaN/inf logits while sampling (a diverged or corrupted model)."""
+
+
+def _finite_check_processor():
+    """A logits processor that stops generation at the first non-finite logit.
+
+    Without it ``generate`` fails deep inside ``torch.multinomial`` ("probability tensor
+    contains inf, nan ...") and the message says nothing of where the values came from.
+    """
+    from transformers import LogitsProcessor
+
+    class _FiniteCheck(LogitsProcessor):
+        def __init__(self):
+            self.t = 0
+
+        def __call__(self, input_ids, scores):
+            bad = ~torch.isfinite(scores)
+            if bad.any():
+                row = int(bad.any(-1).nonzero()[0])
+                raise NonFiniteLogitsError(
+                    f"non-finite values in policy logits during rollout (new token {self.t}, row {row})"
+                )
+            self.t += 1
+            return scores
+
+    return _FiniteCheck()
+
+Messages = Sequence[Dict[str, str]]
+
+
+@dataclass
+class RolloutBatch:
+    """One round of rollouts; see the module docstring for the layout."""
+
+    prompt_ids: torch.Tensor  # [N, P] long, left-padded
+    prompt_mask: torch.Tensor  # [N, P] long
+    response_ids: torch.Tensor  # [N, T] long, right-padded
+    response_mask: torch.Tensor  # [N, T] long, 1 up to and including EOS
+    behaviour_logprobs: torch.Tensor  # [N, T] float32, 0 at masked positions
+    prompt_index: torch.Tensor  # [N] long
+    texts: List[str]  # decoded responses, special tokens skipped
+    truncated: torch.Tensor  # [N] bool
+    temperature: float = 1.0  # the temperature the log-probs are scaled with (1.0 for greedy)
+
+    def __len__(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    @property
+    def prompt_len(self) -> int:
+        """P: response token t sits at position P + t of :attr:`input_ids`."""
+        return int(self.prompt_ids.shape[1])
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """``[N, P + T]`` prompt + response, for a teacher-forced training forward."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``[N, P + T]``: the prompt mask, then the response mask (padding after EOS is masked)."""
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """``[N]`` number of response tokens, EOS included."""
+        return self.response_mask.sum(1)
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """What the trainer needs from a generator (HF ``generate`` here; vLLM could implement it)."""
+
+    def generate(
+        self,
+        prompts: List[List[Dict[str, str]]],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: Optional[int],
+    ) -> RolloutBatch: ...
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
+    """``[N, T]`` long mask: 1 up to and including the first stop token of each row, 0 after."""
+    is_stop = torch.isin(response_ids, torch.as_tensor(list(stop_ids), device=response_ids.device))
+    stops_before = is_stop.long().cumsum(1) - is_stop.long()  # stop tokens strictly before t
+    return (stops_before == 0).long()
+
+
+class HFRollout:
+    """:class:`RolloutBackend` on ``model.generate`` (a transformers or peft causal LM).
+
+    ``max_batch_size`` bounds the rows per ``generate`` call (the returned logits take
+    rows x new tokens x vocab floats); ``None`` generates all rows at once.
+    Sampling uses the global torch RNG, or a private stream when ``seed`` is given (the
+    global RNG is then left untouched), so the same seed gives the same samples on CPU.
+    """
+
+    def __init__(self, model, tokenizer, *, max_batch_size: Optional[int] = None):
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected >= 1 or None, got {max_batch_size}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer: expected a pad token (tokencredit.models.prepare_tokenizer sets eos), got none")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("tokenizer: expected a chat template (prompts are chat messages), got none")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _stop_ids(self) -> List[int]:
+        """The tokenizer's EOS plus any EOS the model's generation config declares."""
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gc_eos = getattr(getattr(self._hf_model(), "generation_config", None), "eos_token_id", None)
+        if gc_eos is not None:
+            ids.update(int(i) for i in (gc_eos if isinstance(gc_eos, (list, tuple)) else [gc_eos]))
+        if not ids:
+            raise ValueError("tokenizer: expected an eos_token (generation must be able to stop), got none")
+        return sorted(ids)
+
+    def _hf_model(self):
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @contextlib.contextmanager
+    def _clean_generation_config(self, stop_ids: List[int]) -> Iterator[None]:
+        # generate() fills every setting we leave unset from model.generation_config
+        # (repetition penalties, top_k, suppressed tokens, ...), which would make the samples
+        # come from a different distribution than the log-probs describe. Swap in a neutral one.
+        from transformers import GenerationConfig
+
+        hf = self._hf_model()
+        saved = hf.generation_config
+        hf.generation_config = GenerationConfig(
+            bos_token_id=self.tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=self.tokenizer.pad_token_id
+        )
+        try:
+            yield
+        finally:
+            hf.generation_config = saved
+
+    def _check(self, prompts, num_samples, max_new_tokens, temperature, top_p) -> None:
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise ValueError(f"prompts: expected a non-empty list of chat-message lists, got {type(prompts).__name__} {prompts!r:.80}")
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) or not isinstance(p, (list, tuple)) or not all(isinstance(m, dict) for m in p):
+                raise ValueError(
+                    f"prompts[{i}]: expected a list of chat messages like [{{'role': 'user', 'content': ...}}], got {p!r:.80}"
+                )
+        if int(num_samples) != num_samples or num_samples < 1:
+            raise ValueError(f"num_samples: expected an integer >= 1, got {num_samples}")
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: expected in (0, 1], got {top_p}")
+
+    # -- the backend -------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: List[List[Dict[str, str]]],
+        *,
+        num_samples: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+    ) -> RolloutBatch:
+        self._check(prompts, num_samples, max_new_tokens, temperature, top_p)
+        tok = self.tokenizer
+        texts = [tok.apply_chat_template(list(m), tokenize=False, add_generation_prompt=True) for m in prompts]
+        # the template already writes the special tokens; add_special_tokens=False avoids a second BOS
+        enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        prompt_index = torch.arange(len(prompts)).repeat_interleave(int(num_samples))
+        prompt_ids = enc["input_ids"][prompt_index]
+        prompt_mask = enc["attention_mask"][prompt_index]
+        N, P = prompt_ids.shape
+        device = next(self.model.parameters()).device
+        stop_ids = self._stop_ids()
+        pad = int(tok.pad_token_id)
+        greedy = temperature == 0
+        t_lp = 1.0 if greedy else float(temperature)
+        sampling = {} if greedy else {"temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
+
+        from transformers import GenerationConfig
+
+        gen_cfg = GenerationConfig(
+            max_new_tokens=int(max_new_tokens),
+            do_sample=not greedy,
+            **sampling,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=stop_ids,
+            pad_token_id=pad,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+        step = self.max_batch_size or N
+        chunks = []
+        was_training = self.model.training
+        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else contextlib.nullcontext()
+        self.model.eval()
+        try:
+            with rng, self._clean_generation_config(stop_ids):
+                if seed is not None:
+                    torch.manual_seed(int(seed))
+                for s in range(0, N, step):
+                    ids = prompt_ids[s : s + step].to(device)
+                    att = prompt_mask[s : s + step].to(device)
+                    out = self.model.generate(
+                        input_ids=ids, attention_mask=att, generation_config=gen_cfg,
+                        logits_processor=[_finite_check_processor()],
+                    )
+                    resp = out.sequences[:, P:].cpu()
+                    lp = torch.zeros(resp.shape, dtype=torch.float32)
+                    for t, logits in enumerate(out.logits):  # one [n, V] tensor per new token
+                        logp = F.log_softmax(logits.float() / t_lp, dim=-1)
+                        lp[:, t] = logp.gather(-1, resp[:, t : t + 1].to(logp.device)).squeeze(-1).cpu()
+                    del out
+                    chunks.append((resp, lp))
+        finally:
+            self.model.train(was_training)
+
+        T = max(r.shape[1] for r, _ in chunks)
+        response_ids = torch.full((N, T), pad, dtype=torch.long)
+        behaviour = torch.zeros((N, T), dtype=torch.float32)
+        row = 0
+        for resp, lp in chunks:
+            n, t = resp.shape
+            response_ids[row : row + n, :t] = resp
+            behaviour[row : row + n, :t] = lp
+            row += n
+        # A chunk shorter than T stopped early because every row in it had stopped, so the pad
+        # after its end always comes after an EOS: the mask is right without knowing chunk ends.
+        response_mask = response_mask_from_ids(response_ids, stop_ids)
+        truncated = ~torch.isin(response_ids, torch.tensor(stop_ids)).any(1)
+        keep = response_mask.bool()
+        response_ids = torch.where(keep, response_ids, torch.full_like(response_ids, pad))
+        behaviour = torch.where(keep, behaviour, torch.zeros_like(behaviour))
+        lengths = response_mask.sum(1).tolist()
+        decoded = tok.batch_decode([response_ids[i, : lengths[i]].tolist() for i in range(N)], skip_special_tokens=True)
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            behaviour_logprobs=behaviour,
+            prompt_index=prompt_index,
+            texts=decoded,
+            truncated=truncated,
+            temperature=t_lp,
+        )

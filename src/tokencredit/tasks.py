@@ -1,0 +1,758 @@
+"""Tasks: prompts plus a reward function.
+
+A :class:`Task` holds ``train`` and ``eval`` lists of :class:`Example` and a ``reward(completion,
+example) -> float`` in [0, 1]. ``make_task(name, ...)`` builds one:
+
+    add1, add2, mul1   procedural arithmetic (1-digit addition, 2-digit addition, 1-digit
+                       multiplication), enumerated from the whole question space
+    word               1-2 step word problems from templates (apples, coins, birds, ...)
+    mix                equal shares of add1, add2, mul1 and word
+    gsm8k, math        datasets (a local jsonl/json/parquet file or folder, or a hub id through
+                       the ``datasets`` library), rewarded with math-verify plus a numeric check
+
+Splits. The eval split depends only on the task and ``n_eval`` (drawn with the fixed
+``EVAL_SEED``), so runs with different seeds are compared on the same questions; the train split
+is drawn with ``seed`` from the rest of the space, so no question is in both. Small spaces
+(add1: 100 questions, mul1: 81) cap eval at half the space and give train what is left, which is
+less than ``n_train``; a warning says so.
+
+Reward of the procedural tasks: 1.0 when :func:`extract_final_answer` finds a number equal to the
+reference (68 == 68.0 == "68."), else 0.0. The parser takes the FINAL answer, because the model
+restates the question: ``\\boxed{X}``, then ``#### X``, then "answer is X" / "answer: X", then
+the last number that is not an operand (a number followed by an operator, ``=`` or ``?``, or
+preceded by a binary operator, is part of a restated expression, not a result).
+
+Prompts are the parameter-free constants ``ARITH_PROMPTS``, ``WORD_PROMPT``, ``DATASET_PROMPT``
+and ``SYSTEM_PROMPT`` below, so they can be tuned in one place (prompt wording changes the small
+model's accuracy a lot).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import re
+import signal
+import threading
+from dataclasses import dataclass, field, replace
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ARITH_PROMPTS",
+    "DATASET_PROMPT",
+    "EVAL_SEED",
+    "Example",
+    "RewardFnError",
+    "SYSTEM_PROMPT",
+    "Task",
+    "WORD_PROMPT",
+    "answers_match",
+    "extract_final_answer",
+    "list_tasks",
+    "load_reward_fn",
+    "make_task",
+    "numeric_reward",
+    "math_reward",
+    "score_safely",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Prompt constants (tune here; every task builds its user message from these)
+# ---------------------------------------------------------------------------------------------
+
+# "Answer with just the number." keeps a 32-token rollout from running out before the answer.
+ARITH_PROMPTS: Dict[str, str] = {
+    "+": "What is {a} + {b}? Answer with just the number.",
+    "*": "What is {a} * {b}? Answer with just the number.",
+}
+WORD_PROMPT = "{problem} Answer with just the number."
+# \boxed{} is what math-verify and the MATH solutions use to mark the final answer.
+DATASET_PROMPT = "{problem}\nPut your final answer within \\boxed{{}}."
+# None: no system message, the chat template's default applies (SmolLM2 inserts its own).
+SYSTEM_PROMPT: Optional[str] = None
+
+# The eval split of the procedural tasks is drawn with this seed whatever the run's seed is.
+EVAL_SEED = 1234
+
+# Hub defaults for the dataset tasks: (hub id, config).
+DATASET_DEFAULTS: Dict[str, Tuple[str, Optional[str]]] = {
+    "gsm8k": ("openai/gsm8k", "main"),  # columns question / answer ("... #### 72")
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default"),  # problem / solution (\boxed{..})
+}
+
+MIX_PARTS = ("add1", "add2", "mul1", "word")
+
+
+# ---------------------------------------------------------------------------------------------
+# Data types
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt. ``messages`` are plain chat dicts (what ``apply_chat_template`` takes)."""
+
+    id: str
+    question: str  # the user message text
+    answer: str  # reference answer (OPPO's oracle prompt shows it)
+    messages: tuple  # ({"role": "user", "content": question},), optionally a system message first
+
+    # messages hold dicts (unhashable): hash the identifying strings instead
+    def __hash__(self) -> int:
+        return hash((self.id, self.question, self.answer))
+
+
+def _messages(question: str) -> tuple:
+    msgs = [] if SYSTEM_PROMPT is None else [{"role": "system", "content": SYSTEM_PROMPT}]
+    return tuple(msgs + [{"role": "user", "content": question}])
+
+
+def _example(prefix: str, question: str, answer: str) -> Example:
+    digest = hashlib.sha1(question.encode("utf-8")).hexdigest()[:12]
+    return Example(id=f"{prefix}-{digest}", question=question, answer=answer, messages=_messages(question))
+
+
+@dataclass
+class Task:
+    """Prompts plus a reward. ``scorer(completion, example) -> float`` is what ``reward`` calls."""
+
+    name: str
+    train: List[Example]
+    eval: List[Example]
+    scorer: Callable[[str, Example], float] = field(default=None, repr=False)  # type: ignore[assignment]
+    description: str = ""
+
+    def __post_init__(self):
+        if self.scorer is None:
+            self.scorer = numeric_reward
+
+    def reward(self, completion: str, example: Example) -> float:
+        return float(self.scorer(completion, example))
+
+
+# ---------------------------------------------------------------------------------------------
+# Answer parsing
+# ---------------------------------------------------------------------------------------------
+
+# A number: optional sign (not after a word character or ")", so "5-3" is not "5" and "-3"),
+# comma-grouped thousands or plain digits, optional decimals; ordinals ("2nd") are not numbers.
+_NUM = re.compile(r"(?<![\w)\].])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)(?!(?:st|nd|rd|th)\b)")
+_OPS = r"[+\-*/×÷^x]"
+_FOLLOWED_BY_OPERATOR = re.compile(rf"\s*(?:[=?]|{_OPS}\s*[-(]?\d)")
+_PRECEDED_BY_OPERATOR = re.compile(rf"(?:\d|\))\s*{_OPS}\s*$")
+_ANSWER_MARKER = re.compile(r"\banswer\b(?:\s+is\b|\s*[:=])", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|\n")
+
+
+def _canon_number(s: str) -> Optional[str]:
+    """'1,234' -> '1234', '68.0' -> '68', '+5' -> '5', '-0' -> '0'; None if not a number."""
+    s = s.strip().replace(",", "").lstrip("+")
+    if s.endswith("."):
+        s = s[:-1]
+    try:
+        d = Decimal(s)
+    except (InvalidOperation, ValueError):
+        return None
+    if not d.is_finite():
+        return None
+    if d == 0:
+        return "0"
+    return format(d.normalize(), "f")
+
+
+def _last_boxed(text: str) -> Optional[str]:
+    """Content of the last complete \\boxed{...} / \\fbox{...} (nested braces allowed)."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+        # unbalanced (truncated completion): try an earlier one
+    return None
+
+
+def _strip_latex(s: str) -> str:
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:left|right|,|;|!|\$|%)", "", s)
+    return s.replace("$", "").replace("%", "").strip()
+
+
+def _answer_in(segment: str) -> Optional[str]:
+    """The number a marker points at: the first one after the segment's last '=' (if any)."""
+    if "=" in segment:
+        segment = segment.rsplit("=", 1)[1]
+    m = _NUM.search(segment)
+    return _canon_number(m.group()) if m else None
+
+
+def _first_sentence(text: str) -> str:
+    m = _SENTENCE_END.search(text)
+    return text[: m.start()] if m else text
+
+
+def extract_final_answer(text: str) -> Optional[str]:
+    """The final answer in a completion, as a canonical number string when it is a number.
+
+    Order: last ``\\boxed{X}``; last ``#### X``; last "answer is X" / "answer: X" (within its
+    sentence; "answer is 5 + 3 = 8" gives 8); else the last number that is not an operand of a
+    restated expression. A boxed non-numeric answer (``\\frac{1}{2}``) is returned as written.
+    None when there is no answer.
+    """
+    if not text:
+        return None
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        content = _strip_latex(boxed)
+        num = _canon_number(content)
+        if num is not None:
+            return num
+        after_eq = content.rsplit("=", 1)[-1]
+        nums = _NUM.findall(after_eq)
+        if len(nums) == 1 and not re.search(r"\\|/", after_eq):
+            return _canon_number(nums[0])
+        return content or None
+    hashes = text.rfind("####")
+    if hashes >= 0:
+        num = _answer_in(_first_sentence(text[hashes + 4 :].lstrip()))
+        if num is not None:
+            return num
+    markers = list(_ANSWER_MARKER.finditer(text))
+    for m in reversed(markers):
+        num = _answer_in(_first_sentence(text[m.end() :].lstrip(" \t*:$")))
+        if num is not None:
+            return num
+    for m in reversed(list(_NUM.finditer(text))):
+        if _FOLLOWED_BY_OPERATOR.match(text, m.end()) or _PRECEDED_BY_OPERATOR.search(text[: m.start()]):
+            continue
+        return _canon_number(m.group())
+    return None
+
+
+def answers_match(pred: Optional[str], ref: str) -> bool:
+    """Numeric equality of two answer strings ('68.0' == '68', '1,234' == '1234')."""
+    if pred is None:
+        return False
+    a, b = _canon_number(pred), _canon_number(ref)
+    if a is None or b is None:
+        return False
+    return Decimal(a) == Decimal(b)
+
+
+def numeric_reward(completion: str, example: Example) -> float:
+    """1.0 if the completion's final answer equals ``example.answer`` numerically, else 0.0."""
+    return 1.0 if answers_match(extract_final_answer(completion), example.answer) else 0.0
+
+
+def math_reward(completion: str, example: Example) -> float:
+    """math-verify equivalence (``verify(parse(gold), parse(completion))``), else the numeric check.
+
+    math-verify bounds its own work with ``signal.alarm``, which works only in the main thread;
+    in another thread (inside :func:`score_safely`) its timeouts are switched off and
+    ``score_safely``'s timeout bounds the call instead.
+    """
+    if numeric_reward(completion, example) == 1.0:
+        return 1.0
+    try:
+        from math_verify import parse, verify
+    except ImportError:  # the numeric check above is the fallback
+        return 0.0
+    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
+    limit = 5 if main else None  # math-verify's own default, in seconds
+    gold = parse("\\boxed{" + example.answer + "}", parsing_timeout=limit)
+    if not gold:
+        return 0.0
+    pred = parse(completion, parsing_timeout=limit)
+    if not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Procedural tasks
+# ---------------------------------------------------------------------------------------------
+
+# (operator, operand range) of the enumerated arithmetic tasks; mul1 leaves out 0 (a fifth of
+# the products would be 0) and add1 keeps it.
+_ARITH = {
+    "add1": ("+", range(0, 10)),
+    "add2": ("+", range(10, 100)),
+    "mul1": ("*", range(1, 10)),
+}
+
+
+def _arith_space(name: str) -> List[Tuple[str, str]]:
+    op, rng = _ARITH[name]
+    fn = (lambda a, b: a + b) if op == "+" else (lambda a, b: a * b)
+    return [(ARITH_PROMPTS[op].format(a=a, b=b), str(fn(a, b))) for a in rng for b in rng]
+
+
+_NAMES = (
+    "Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jamal", "Kofi",
+    "Lena", "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Victor",
+    "Wen", "Yusuf", "Zoe",
+)
+_ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "shells", "cards")
+_GOODS = (("pen", "pens"), ("notebook", "notebooks"), ("ticket", "tickets"), ("toy car", "toy cars"))
+
+
+def _w_gets_more(r):
+    a, b = r.randint(2, 20), r.randint(2, 20)
+    return "{n} has {a} {item}. {n} gets {b} more {item}. How many {item} does {n} have now?", dict(a=a, b=b), a + b
+
+
+def _w_gives(r):
+    a = r.randint(5, 20)
+    b = r.randint(1, a - 1)
+    return "{n} has {a} {item} and gives {b} of them to {m}. How many {item} does {n} have left?", dict(a=a, b=b), a - b
+
+
+def _w_bags(r):
+    a, b = r.randint(2, 6), r.randint(2, 9)
+    return "{n} buys {a} bags of {item}. Each bag has {b} {item}. How many {item} does {n} buy in total?", dict(a=a, b=b), a * b
+
+
+def _w_coins(r):
+    a, b = r.randint(3, 15), r.randint(3, 15)
+    c = r.randint(1, a + b - 1)
+    return ("{n} has {a} coins in a jar and {b} coins in a pocket, then spends {c} coins. "
+            "How many coins does {n} have left?"), dict(a=a, b=b, c=c), a + b - c
+
+
+def _w_more_than(r):
+    a, b = r.randint(2, 12), r.randint(1, 8)
+    return ("{n} has {a} {item}. {m} has {b} more {item} than {n}. "
+            "How many {item} do they have together?"), dict(a=a, b=b), 2 * a + b
+
+
+def _w_pages(r):
+    a, b = r.randint(2, 9), r.randint(2, 7)
+    return "{n} reads {a} pages every day. How many pages does {n} read in {b} days?", dict(a=a, b=b), a * b
+
+
+def _w_birds(r):
+    a = r.randint(5, 20)
+    b, c = r.randint(1, a - 1), r.randint(1, 10)
+    return ("There are {a} birds on a tree. {b} birds fly away, then {c} birds land on the tree. "
+            "How many birds are on the tree now?"), dict(a=a, b=b, c=c), a - b + c
+
+
+def _w_share(r):
+    b, k = r.randint(2, 6), r.randint(2, 9)
+    return "{n} shares {a} {item} equally among {b} friends. How many {item} does each friend get?", dict(a=b * k, b=b), k
+
+
+def _w_eggs(r):
+    a, b = r.choice((6, 10, 12)), r.randint(2, 5)
+    c = r.randint(1, a - 1)
+    return "A box holds {a} eggs. {n} has {b} full boxes and {c} loose eggs. How many eggs does {n} have?", dict(a=a, b=b, c=c), a * b + c
+
+
+def _w_cost(r):
+    a, b = r.randint(2, 9), r.randint(2, 9)
+    one, many = r.choice(_GOODS)
+    return f"One {one} costs {{a}} dollars. How many dollars do {{b}} {many} cost?", dict(a=a, b=b), a * b
+
+
+def _w_earns(r):
+    a, b = r.randint(5, 30), r.randint(5, 30)
+    return ("{n} earns {a} dollars on Monday and {b} dollars on Tuesday. "
+            "How many dollars does {n} earn in total?"), dict(a=a, b=b), a + b
+
+
+def _w_lost_found(r):
+    a = r.randint(5, 20)
+    b, c = r.randint(1, a - 1), r.randint(1, 10)
+    return ("{n} had {a} {item}. {n} lost {b} of them and then found {c} more. "
+            "How many {item} does {n} have now?"), dict(a=a, b=b, c=c), a - b + c
+
+
+_WORD_TEMPLATES = {
+    "gets_more": _w_gets_more, "gives": _w_gives, "bags": _w_bags, "coins": _w_coins,
+    "more_than": _w_more_than, "pages": _w_pages, "birds": _w_birds, "share": _w_share,
+    "eggs": _w_eggs, "cost": _w_cost, "earns": _w_earns, "lost_found": _w_lost_found,
+}
+
+
+def _word_sample(r: random.Random) -> Tuple[str, str, str]:
+    key = r.choice(sorted(_WORD_TEMPLATES))
+    text, nums, answer = _WORD_TEMPLATES[key](r)
+    n, m = r.sample(_NAMES, 2)
+    problem = text.format(n=n, m=m, item=r.choice(_ITEMS), **nums)
+    return key, WORD_PROMPT.format(problem=problem), str(answer)
+
+
+def _sample_unique(r: random.Random, k: int, taken: set, prefix: str) -> List[Example]:
+    """k word problems not in ``taken`` (rejection sampling; gives up after 50 tries per item)."""
+    out: List[Example] = []
+    tries = 0
+    while len(out) < k and tries < 50 * k + 100:
+        tries += 1
+        key, question, answer = _word_sample(r)
+        if question in taken:
+            continue
+        taken.add(question)
+        out.append(_example(f"{prefix}-{key}", question, answer))
+    return out
+
+
+def _warn_short(name: str, split: str, got: int, asked: int, space: Any) -> None:
+    if got < asked:
+        logger.warning(
+            "task %s: %s split has %d examples, fewer than the %d asked (question space %s)",
+            name, split, got, asked, space,
+        )
+
+
+def _procedural(name: str, seed: int, n_train: int, n_eval: int) -> Tuple[List[Example], List[Example]]:
+    if name in _ARITH:
+        space = _arith_space(name)
+        random.Random(f"{name}-eval-{EVAL_SEED}").shuffle(space)
+        n_ev = min(n_eval, len(space) // 2)
+        ev = [_example(name, q, a) for q, a in space[:n_ev]]
+        rest = space[n_ev:]
+        random.Random(f"{name}-train-{seed}").shuffle(rest)
+        tr = [_example(name, q, a) for q, a in rest[:n_train]]
+        _warn_short(name, "eval", len(ev), n_eval, len(space))
+        _warn_short(name, "train", len(tr), n_train, len(space))
+        return tr, ev
+    if name == "word":
+        taken: set = set()
+        ev = _sample_unique(random.Random(f"word-eval-{EVAL_SEED}"), n_eval, taken, "word")
+        tr = _sample_unique(random.Random(f"word-train-{seed}"), n_train, taken, "word")
+        _warn_short(name, "eval", len(ev), n_eval, "templates")
+        _warn_short(name, "train", len(tr), n_train, "templates")
+        return tr, ev
+    if name == "mix":
+        tr, ev = [], []
+        k = len(MIX_PARTS)
+        for i, part in enumerate(MIX_PARTS):  # equal shares, the remainder to the first parts
+            ptr, pev = _procedural(part, seed, n_train // k + (i < n_train % k), n_eval // k + (i < n_eval % k))
+            tr += ptr
+            ev += pev
+        random.Random(f"mix-eval-{EVAL_SEED}").shuffle(ev)
+        random.Random(f"mix-train-{seed}").shuffle(tr)
+        return tr, ev
+    raise AssertionError(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset tasks (gsm8k, math)
+# ---------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(?::[\w.-]+)?$")
+
+
+def _reference_answer(row: Dict[str, Any]) -> Optional[str]:
+    """GSM8K '... #### 72' -> '72'; MATH solution -> its last \\boxed{}; else the answer as is."""
+    ans = row.get("answer")
+    if isinstance(ans, (int, float)) and not isinstance(ans, bool):
+        ans = str(ans)
+    if isinstance(ans, str) and ans.strip():
+        if "####" in ans:
+            tail = ans.rsplit("####", 1)[1].strip()
+            return _canon_number(tail) or tail or None
+        return _canon_number(ans) or ans.strip()
+    sol = row.get("solution")
+    if isinstance(sol, str):
+        boxed = _last_boxed(sol)
+        if boxed is not None and boxed.strip():
+            return _canon_number(_strip_latex(boxed)) or boxed.strip()
+    return None
+
+
+def _rows_to_examples(name: str, rows: Sequence[Dict[str, Any]], where: str) -> List[Example]:
+    out, seen, skipped = [], set(), 0
+    for row in rows:
+        problem = row.get("question", row.get("problem"))
+        answer = _reference_answer(row)
+        if not isinstance(problem, str) or not problem.strip() or answer is None:
+            skipped += 1
+            continue
+        question = DATASET_PROMPT.format(problem=problem.strip())
+        if question in seen:  # duplicates would break the disjoint split
+            continue
+        seen.add(question)
+        out.append(_example(name, question, answer))
+    if not rows or not out:
+        raise ValueError(
+            f"path: expected rows with columns question/answer or problem/solution (or problem/answer) "
+            f"in {where}, got {len(rows)} rows and {len(out)} usable"
+        )
+    if skipped:
+        logger.warning("task %s: skipped %d rows of %s without a question or an answer", name, skipped, where)
+    return out
+
+
+def _read_file(path: Path) -> List[Dict[str, Any]]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict):  # {"data": [...]} style
+            data = next((v for v in data.values() if isinstance(v, list)), [])
+        return list(data)
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # a dependency of `datasets`
+
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"path: expected a .jsonl, .json or .parquet file, got {str(path)!r}")
+
+
+def _split_files(folder: Path) -> Tuple[Optional[Path], Optional[Path]]:
+    def find(stems):
+        for stem in stems:
+            for ext in (".jsonl", ".json", ".parquet"):
+                p = folder / f"{stem}{ext}"
+                if p.is_file():
+                    return p
+        return None
+
+    return find(("train",)), find(("test", "eval", "validation"))
+
+
+def _load_hub(hub: str, config: Optional[str]) -> Tuple[List[Dict[str, Any]], Optional[List[Dict[str, Any]]]]:
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - datasets is in the train extra
+        raise ImportError("gsm8k/math from the hub need the `datasets` package (pip install tokencredit[train])") from e
+    dd = datasets.load_dataset(hub, config)
+    if "train" not in dd:
+        raise ValueError(f"path: hub dataset {hub!r} has no 'train' split (splits: {list(dd)})")
+    test = next((dd[s] for s in ("test", "validation") if s in dd), None)
+    return dd["train"].to_list(), (test.to_list() if test is not None else None)
+
+
+def _dataset_task(name: str, seed: int, n_train: int, n_eval: int, path: Optional[str]) -> Tuple[List[Example], List[Example]]:
+    where: str
+    if path is None:
+        hub, config = DATASET_DEFAULTS[name]
+        train_rows, eval_rows = _load_hub(hub, config)
+        where = hub
+    elif os.path.exists(path):
+        p = Path(path)
+        where = str(p)
+        if p.is_dir():
+            tr_file, ev_file = _split_files(p)
+            if tr_file is None:
+                raise ValueError(f"path: expected train.jsonl/.json/.parquet in folder {where!r}, found none")
+            train_rows = _read_file(tr_file)
+            eval_rows = _read_file(ev_file) if ev_file is not None else None
+        else:
+            train_rows, eval_rows = _read_file(p), None
+    elif _HUB_ID.match(path):
+        hub, _, config = path.partition(":")
+        train_rows, eval_rows = _load_hub(hub, config or None)
+        where = path
+    else:
+        raise ValueError(f"path: expected an existing file/folder or a hub id 'owner/name[:config]', got {path!r}")
+
+    train_pool = _rows_to_examples(name, train_rows, where)
+    if eval_rows is not None:
+        ev = _rows_to_examples(name, eval_rows, where)[:n_eval]  # a given test split: its first rows
+        ev_q = {e.question for e in ev}
+        train_pool = [e for e in train_pool if e.question not in ev_q]
+    else:  # one file: a fixed permutation, eval first (at most half), train from the rest
+        random.Random(f"{name}-eval-{EVAL_SEED}").shuffle(train_pool)
+        n_ev = min(n_eval, len(train_pool) // 2)
+        ev, train_pool = train_pool[:n_ev], train_pool[n_ev:]
+    random.Random(f"{name}-train-{seed}").shuffle(train_pool)
+    tr = train_pool[:n_train]
+    _warn_short(name, "eval", len(ev), n_eval, where)
+    _warn_short(name, "train", len(tr), n_train, where)
+    return tr, ev
+
+
+# ---------------------------------------------------------------------------------------------
+# Public constructors
+# ---------------------------------------------------------------------------------------------
+
+_DESCRIPTIONS = {
+    "add1": "1-digit addition (a, b in 0..9), 100 questions",
+    "add2": "2-digit addition (a, b in 10..99), 8100 questions",
+    "mul1": "1-digit multiplication (a, b in 1..9), 81 questions",
+    "word": f"1-2 step word problems from {len(_WORD_TEMPLATES)} templates",
+    "mix": "equal shares of " + ", ".join(MIX_PARTS),
+    "gsm8k": "GSM8K (hub openai/gsm8k or a local file), math-verify reward",
+    "math": "MATH (hub DigitalLearningGmbH/MATH-lighteval or a local file), math-verify reward",
+}
+
+
+def list_tasks() -> List[str]:
+    return list(_DESCRIPTIONS)
+
+
+def make_task(
+    name: str,
+    *,
+    seed: int = 0,
+    n_train: int = 512,
+    n_eval: int = 64,
+    path: Optional[str] = None,
+    reward_fn: Optional[str] = None,
+) -> Task:
+    """Build a task by name; ``reward_fn="pkg.mod:fn"`` replaces its reward."""
+    if name not in _DESCRIPTIONS:
+        raise ValueError(f"task name: expected one of {list_tasks()}, got {name!r}")
+    if not isinstance(n_train, int) or n_train < 1:
+        raise ValueError(f"n_train: expected an int >= 1, got {n_train!r}")
+    if not isinstance(n_eval, int) or n_eval < 0:
+        raise ValueError(f"n_eval: expected an int >= 0, got {n_eval!r}")
+    if name in DATASET_DEFAULTS:
+        train, eval_ = _dataset_task(name, seed, n_train, n_eval, path)
+        scorer: Callable[[str, Example], float] = math_reward
+    else:
+        if path is not None:
+            raise ValueError(f"path: only the dataset tasks {sorted(DATASET_DEFAULTS)} read a path; task {name!r} got {path!r}")
+        train, eval_ = _procedural(name, seed, n_train, n_eval)
+        scorer = numeric_reward
+    task = Task(name=name, train=train, eval=eval_, scorer=scorer, description=_DESCRIPTIONS[name])
+    if reward_fn is not None:
+        task = replace(task, scorer=load_reward_fn(reward_fn))
+    return task
+
+
+# ---------------------------------------------------------------------------------------------
+# User reward functions
+# ---------------------------------------------------------------------------------------------
+
+
+class RewardFnError(ValueError):
+    """A reward_fn import path that cannot be used; the message names the path and the cause."""
+
+
+def load_reward_fn(import_path: str) -> Callable[[str, Example], float]:
+    """'package.module:function' (or 'path/to/file.py:function') -> the callable.
+
+    The attribute may be dotted ('mod:Class.method'). The callable must accept
+    ``(completion, example)``.
+    """
+    if not isinstance(import_path, str) or import_path.count(":") < 1:
+        raise RewardFnError(f"reward_fn: expected 'package.module:function', got {import_path!r}")
+    module_name, _, attr = import_path.rpartition(":")
+    if not module_name or not attr:
+        raise RewardFnError(f"reward_fn: expected 'package.module:function', got {import_path!r}")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no file {module_name!r}")
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as e:
+        raise RewardFnError(
+            f"reward_fn {import_path!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})"
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardFnError(f"reward_fn {import_path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardFnError(f"reward_fn {import_path!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    try:
+        inspect.signature(obj).bind("completion", None)
+    except TypeError as e:
+        raise RewardFnError(
+            f"reward_fn {import_path!r}: must accept (completion, example), its signature does not ({e})"
+        ) from e
+    except ValueError:  # builtins without a signature: let the call decide
+        pass
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Safe scoring
+# ---------------------------------------------------------------------------------------------
+
+_LOGGED_FAILURES: set = set()
+
+
+def _log_failure_once(fn: Callable, kind: str, exc: Optional[BaseException]) -> None:
+    key = (getattr(fn, "__qualname__", repr(fn)), kind, type(exc).__name__ if exc else None)
+    if key in _LOGGED_FAILURES:
+        return
+    _LOGGED_FAILURES.add(key)
+    if exc is not None:
+        logger.warning("reward %s failed (%s); scored 0.0 (logged once per kind)", key[0], kind, exc_info=exc)
+    else:
+        logger.warning("reward %s %s; scored 0.0 (logged once per kind)", key[0], kind)
+
+
+def _as_reward(fn: Callable, value: Any) -> Tuple[float, Optional[str]]:
+    try:
+        r = float(value)
+    except (TypeError, ValueError) as e:
+        _log_failure_once(fn, "error", e)
+        return 0.0, "error"
+    if not math.isfinite(r):
+        _log_failure_once(fn, "returned a non-finite value", None)
+        return 0.0, "error"
+    return r, None
+
+
+def score_safely(
+    fn: Callable[[str, Example], float], completion: str, example: Example, timeout_s: Optional[float]
+) -> Tuple[float, Optional[str]]:
+    """``(reward, failure)`` with failure None, "error" or "timeout"; never raises for fn's sake.
+
+    An exception, a non-numeric or non-finite result scores 0.0 with "error"; a call still running
+    after ``timeout_s`` seconds scores 0.0 with "timeout". Each call runs in its own daemon thread
+    and waits on a ``concurrent.futures.Future``: a timed-out call is ABANDONED, NOT KILLED (Python
+    cannot kill a thread). It keeps running in the background, holding the GIL for its share of
+    CPU, but neither blocks later calls (no shared worker to clog) nor keeps the process alive at
+    exit (daemon). Rewards that may hang for good belong in a subprocess the function manages.
+    ``timeout_s=None`` calls fn inline, without a timeout (errors still score 0.0).
+    """
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected > 0 or None, got {timeout_s!r}")
+    if timeout_s is None:
+        try:
+            return _as_reward(fn, fn(completion, example))
+        except (Exception, SystemExit) as e:
+            _log_failure_once(fn, "error", e)
+            return 0.0, "error"
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(completion, example))
+        except BaseException as e:  # delivered to the caller, which decides
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="tokencredit-reward", daemon=True).start()
+    # wait() rather than result(timeout): a TimeoutError raised BY fn must count as "error"
+    done, _ = concurrent.futures.wait([future], timeout=timeout_s)
+    if not done:
+        _log_failure_once(fn, f"timed out after {timeout_s} s", None)
+        return 0.0, "timeout"
+    exc = future.exception()
+    if exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            raise exc
+        _log_failure_once(fn, "error", exc)
+        return 0.0, "error"
+    return _as_reward(fn, future.result())

@@ -1,0 +1,308 @@
+"""OPPO (oracle-prompted belief recursion) and OPD (on-policy distillation reward)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokencredit import CreditBatch, CreditInputError, CreditPipeline
+from tokencredit.methods.opd import OPDConfig, opd
+from tokencredit.methods.oppo import (
+    DEFAULT_ORACLE_TEMPLATE,
+    OPPOConfig,
+    _top_mass,
+    belief_trajectory,
+    oppo,
+    oracle_prompt,
+)
+
+from helpers import make_batch, pad_batch
+
+L = math.log
+
+
+def _batch(mask, rewards, logprobs, oracle, groups=None, dtype=torch.float64):
+    mask = torch.as_tensor(mask)
+    B = mask.shape[0]
+    return CreditBatch(
+        response_mask=mask,
+        rewards=torch.as_tensor(rewards, dtype=dtype),
+        group_ids=torch.as_tensor(groups if groups is not None else [0] * B),
+        logprobs=torch.as_tensor(logprobs, dtype=dtype),
+        oracle_logprobs=torch.as_tensor(oracle, dtype=dtype),
+    )
+
+
+@st.composite
+def oppo_batches(draw, dtype=torch.float64):
+    """Groups of 2-4 responses; masks with holes, empty rows and NaN padding; rewards in [0, 1]."""
+    n_groups = draw(st.integers(1, 3))
+    sizes = [draw(st.integers(2, 4)) for _ in range(n_groups)]
+    B, T = sum(sizes), draw(st.integers(1, 7))
+    seed = draw(st.integers(0, 10_000))
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=gen) < draw(st.sampled_from([0.5, 0.8, 1.0]))
+    starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
+    mask[starts, torch.randint(0, T, (n_groups,), generator=gen)] = True  # no group without a token
+    binary = draw(st.booleans())
+    rewards = (torch.rand(B, generator=gen) < 0.5).to(dtype) if binary else torch.rand(B, generator=gen, dtype=dtype)
+    scale = draw(st.sampled_from([0.3, 1.0, 4.0]))
+    logp = -torch.rand(B, T, generator=gen, dtype=dtype) * 3
+    oracle = logp + scale * torch.randn(B, T, generator=gen, dtype=dtype)
+    logp = torch.where(mask, logp, torch.full_like(logp, float("nan")))
+    groups = torch.repeat_interleave(torch.arange(n_groups) * 5 + 1, torch.tensor(sizes))
+    return CreditBatch(response_mask=mask.long(), rewards=rewards, group_ids=groups, logprobs=logp, oracle_logprobs=oracle)
+
+
+def _prior(batch, cfg):
+    r = batch.rewards
+    ids = batch.group_ids
+    out = torch.empty_like(r)
+    for b in range(len(r)):
+        same = ids == ids[b]
+        if cfg.prior == "group_mean":
+            out[b] = r[same].mean()
+        else:
+            others = same.clone()
+            others[b] = False
+            out[b] = r[others].mean()
+    return out.clamp(cfg.eps, 1 - cfg.eps)
+
+
+def _seq_adv(batch):
+    r, ids = batch.rewards, batch.group_ids
+    return torch.stack([r[b] - r[ids == ids[b]].mean() for b in range(len(r))])
+
+
+# ---- oracle prompt -------------------------------------------------------------------
+
+
+def test_oracle_prompt_fills_template_in_one_pass():
+    x = oracle_prompt("What is 2+2?", "4")
+    assert x == DEFAULT_ORACLE_TEMPLATE.replace("{prompt}", "What is 2+2?").replace("{answer}", "4")
+    assert "What is 2+2?" in x and "4" in x
+    # braces elsewhere in the template and placeholders inside the values stay literal
+    t = "Q: {prompt}\nBoxed: \\boxed{{x}} answer {answer}"
+    assert oracle_prompt("say {answer}", "{prompt}", t) == "Q: say {answer}\nBoxed: \\boxed{{x}} answer {prompt}"
+    assert oracle_prompt("p", 7, "{prompt}|{answer}") == "p|7"
+    with pytest.raises(ValueError, match="template"):
+        oracle_prompt("p", "a", "no answer slot: {prompt}")
+    with pytest.raises(ValueError, match="oracle_template"):
+        OPPOConfig(oracle_template="{answer} only")
+
+
+# ---- the recursion -------------------------------------------------------------------
+
+
+def test_hand_computed_recursion_with_a_hole_and_padding():
+    nan = float("nan")
+    mask = [[1, 1, 1, 0], [1, 0, 1, 0]]
+    logp = [[-1.0, -1.0, -1.0, nan], [-1.0, nan, -2.0, nan]]
+    # evidence e = oracle - logp: row 0 ratios 1.2, 0.5, 3; row 1 ratio 1.5, (hole), 2
+    oracle = [[-1.0 + L(1.2), -1.0 + L(0.5), -1.0 + L(3.0), nan], [-1.0 + L(1.5), 5.0, -2.0 + L(2.0), nan]]
+    batch = _batch(mask, [1.0, 0.0], logp, oracle)
+    out = oppo(batch, OPPOConfig(evidence_clip=math.inf))
+    # prior 0.5; row 0: 0.5 -> 0.6 -> 0.3 -> R = 1; row 1: 0.5 -> 0.75 -> (hole) -> R = 0
+    expect = torch.tensor([[0.1, -0.3, 0.7, 0.0], [0.25, 0.0, -0.75, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(out.advantages, expect)
+    assert out.metrics["oppo/prior_mean"] == pytest.approx(0.5)
+    # final beliefs before V := R: 0.3 * 3 = 0.9 and 0.75 * 2 -> clamped to 1 - eps
+    assert out.metrics["oppo/final_belief_mean"] == pytest.approx((0.9 + 0.999) / 2)
+    assert out.metrics["oppo/final_belief_brier"] == pytest.approx((0.1**2 + 0.999**2) / 2)
+    assert out.metrics["oppo/belief_bound_frac"] == pytest.approx(1 / 5)
+    # a clip just under log 2 binds on |log 0.5|, log 3 and log 2 (3 of 5 tokens) but moves the
+    # belief by ~1e-9 only: the last two are overwritten by the terminal V := R
+    clipped = oppo(batch, OPPOConfig(evidence_clip=L(2.0) - 1e-9))
+    torch.testing.assert_close(clipped.advantages, expect, atol=1e-8, rtol=0)
+    assert clipped.metrics["oppo/clip_frac"] == pytest.approx(3 / 5)
+    # a clip at log 1.3 binds on row 0's second token: 0.6 / 1.3 instead of 0.3
+    tight = oppo(batch, OPPOConfig(evidence_clip=L(1.3))).advantages
+    assert tight[0, 1].item() == pytest.approx(0.6 / 1.3 - 0.6)
+    assert tight[0].sum().item() == pytest.approx(0.5)
+
+
+def test_first_order_forms_hand_case():
+    mask = [[1, 1], [1, 1]]
+    logp = [[-1.0, -1.0], [-1.0, -1.0]]
+    oracle = [[-1.0 + L(1.2), -1.0 + L(0.5)], [-1.0, -1.0 + L(2.0)]]
+    batch = _batch(mask, [1.0, 0.0], logp, oracle)
+    e = torch.tensor([[L(1.2), L(0.5)], [0.0, L(2.0)]], dtype=torch.float64)
+    # without accumulation the state weight is the prior's: V_0 (1 - V_0) = 0.25 everywhere
+    sw = oppo(batch, OPPOConfig(accumulate=False, state_weight=True)).advantages
+    torch.testing.assert_close(sw, 0.25 * e)
+    # both on: the exact increments, 0.5 -> 0.6 -> R = 1 and 0.5 -> 0.5 -> R = 0
+    full = oppo(batch, OPPOConfig()).advantages
+    torch.testing.assert_close(full, torch.tensor([[0.1, 0.4], [0.0, -0.5]], dtype=torch.float64))
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=oppo_batches(), prior=st.sampled_from(["group_mean", "leave_one_out"]),
+       clip=st.sampled_from([0.5, 5.0, math.inf]), eps=st.sampled_from([1e-3, 0.1]), extra=st.integers(0, 3))
+def test_credits_telescope_to_outcome_minus_prior(batch, prior, clip, eps, extra):
+    cfg = OPPOConfig(prior=prior, evidence_clip=clip, eps=eps)
+    padded = pad_batch(batch, extra) if extra else batch
+    adv = oppo(padded, cfg).advantages
+    assert torch.isfinite(adv).all()
+    assert (adv[~padded.mask] == 0).all()
+    nonempty = batch.mask.any(1)
+    expect = torch.where(nonempty, batch.rewards - _prior(batch, cfg), torch.zeros_like(batch.rewards))
+    torch.testing.assert_close(adv.sum(1), expect, atol=1e-9, rtol=0)
+    # padding never changes credit on the original columns
+    torch.testing.assert_close(adv[:, : batch.mask.shape[1]], oppo(batch, cfg).advantages)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=oppo_batches(), eps=st.sampled_from([1e-3, 0.2]), scale=st.sampled_from([1.0, 50.0, 1e4]))
+def test_belief_stays_in_eps_band(batch, eps, scale):
+    e = torch.where(batch.mask, scale * (batch.oracle_logprobs - batch.logprobs), torch.zeros_like(batch.logprobs))
+    v0 = torch.rand(batch.batch_size, dtype=e.dtype).clamp(eps, 1 - eps)
+    before, after = belief_trajectory(v0, e, batch.mask, eps)
+    for v in (before, after):
+        assert torch.isfinite(v).all()
+        assert (v >= eps).all() and (v <= 1 - eps).all()
+    # at a masked position the belief does not move
+    assert (after[~batch.mask] == before[~batch.mask]).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=oppo_batches(), clip=st.sampled_from([0.3, 2.0, math.inf]), accumulate=st.booleans())
+def test_equals_opd_without_state_weight(batch, clip, accumulate):
+    a = oppo(batch, OPPOConfig(accumulate=accumulate, state_weight=False, evidence_clip=clip)).advantages
+    b = opd(batch, OPDConfig(clip=None if math.isinf(clip) else clip)).advantages
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["zero", "flip"])
+@settings(max_examples=30, deadline=None)
+@given(batch=oppo_batches(), accumulate=st.booleans(), state_weight=st.booleans())
+def test_anchoring_agrees_with_the_outcome_direction(mode, batch, accumulate, state_weight):
+    kw = dict(accumulate=accumulate, state_weight=state_weight)
+    free = oppo(batch, OPPOConfig(**kw)).advantages
+    out = oppo(batch, OPPOConfig(anchor=mode, **kw))
+    adv = out.advantages
+    s = torch.sign(_seq_adv(batch)).unsqueeze(1).expand_as(adv)
+    nz = adv != 0
+    assert (torch.sign(adv[nz]) == s[nz]).all()
+    assert (adv[s == 0] == 0).all()  # no outcome direction -> no credit
+    assert out.metrics["oppo/sign_agree_frac"] == 1.0
+    if mode == "zero":
+        keep = torch.sign(free) == s
+        assert torch.equal(adv[keep], free[keep])
+    else:
+        live = (s != 0) & batch.mask
+        assert torch.equal(adv[live].abs(), free[live].abs())
+
+
+def test_credit_concentration_metric():
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    one_hot = torch.zeros(2, 20)
+    one_hot[0, 3] = -2.0
+    one_hot[1] = 1.0
+    # row 0: all mass on 1 token -> 1.0; row 1 uniform: top ceil(2) of 20 -> 0.1
+    assert _top_mass(one_hot, mask) == pytest.approx((1.0 + 0.1) / 2)
+    mask[1, 5:] = False  # 5 valid uniform tokens: top ceil(0.5) = 1 -> 0.2
+    assert _top_mass(one_hot, mask) == pytest.approx((1.0 + 0.2) / 2)
+    mask[1, :] = True
+    one_hot[1] = 1.0
+    wide = torch.ones(1, 30)  # 30 uniform tokens: exactly 3 on top, not 4 (float ceil(30 * 0.1))
+    assert _top_mass(wide, wide.bool()) == pytest.approx(0.1)
+    assert _top_mass(torch.zeros(2, 20), mask) == 0.0
+
+
+def test_metrics_finite_and_namespaced_on_a_realistic_batch():
+    batch = make_batch(8, 6, 4, seed=3, binary_rewards=False)
+    out = CreditPipeline("oppo")(batch)
+    assert out.metrics and all(k.startswith("oppo/") for k in out.metrics)
+    assert all(math.isfinite(v) for v in out.metrics.values())
+    assert 0.0 < out.metrics["oppo/credit_top10pct_mass"] <= 1.0
+
+
+def test_credit_is_detached():
+    batch = make_batch(4, 5, 2, seed=0)
+    lp = batch.logprobs.clone().requires_grad_(True)
+    ol = batch.oracle_logprobs.clone().requires_grad_(True)
+    b = batch.replace(logprobs=lp, oracle_logprobs=ol)
+    assert not oppo(b, OPPOConfig()).advantages.requires_grad
+    assert not opd(b, OPDConfig()).advantages.requires_grad
+
+
+# ---- errors --------------------------------------------------------------------------
+
+
+def test_rewards_outside_unit_interval_rejected():
+    batch = make_batch(4, 5, 2, seed=0)
+    bad = batch.replace(rewards=torch.tensor([1.0, 0.0, 1.5, 0.0]))
+    with pytest.raises(CreditInputError, match="rewards"):
+        CreditPipeline("oppo")(bad)
+    with pytest.raises(CreditInputError, match="rewards"):
+        CreditPipeline("oppo")(batch.replace(rewards=torch.tensor([1.0, -1.0, 1.0, 0.0])))
+
+
+@pytest.mark.parametrize("spec,missing", [("oppo", "oracle_logprobs"), ("oppo", "logprobs"),
+                                          ("opd", "oracle_logprobs"), ("opd", "logprobs")])
+def test_missing_signal_named(spec, missing):
+    batch = make_batch(4, 5, 2, seed=0)
+    with pytest.raises(CreditInputError, match=missing):
+        CreditPipeline(spec)(batch.replace(**{missing: None}))
+
+
+def test_singleton_group_rejected():
+    batch = make_batch(4, 5, 2, seed=0).replace(group_ids=torch.tensor([0, 0, 1, 2]))
+    with pytest.raises(CreditInputError, match="group_ids"):
+        CreditPipeline("oppo")(batch)
+    CreditPipeline("opd")(batch)  # OPD needs no groups
+
+
+def test_wrong_shape_rejected():
+    batch = make_batch(4, 5, 2, seed=0)
+    with pytest.raises(CreditInputError, match="oracle_logprobs"):
+        batch.replace(oracle_logprobs=torch.zeros(4, 6))
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"evidence_clip": 0.0}, "evidence_clip"), ({"evidence_clip": -1}, "evidence_clip"),
+    ({"eps": 0.0}, "eps"), ({"eps": 0.5}, "eps"), ({"prior": "batch"}, "prior"),
+    ({"accumulate": 1}, "accumulate"), ({"state_weight": "yes"}, "state_weight"),
+    ({"anchor": "on"}, "anchor"), ({"oracle": "gpt"}, "oracle"), ({"oracle_template": 3}, "oracle_template"),
+])
+def test_oppo_config_out_of_range(kw, field):
+    with pytest.raises(ValueError, match=field):
+        OPPOConfig(**kw)
+    with pytest.raises(ValueError, match=field):
+        CreditPipeline("oppo", oppo=kw)
+
+
+# ---- OPD -----------------------------------------------------------------------------
+
+
+def test_opd_hand_case_clip_and_coefficient():
+    nan = float("nan")
+    batch = _batch([[1, 1, 0], [1, 0, 1]], [1.0, 0.0], [[-1.0, -2.0, nan], [-0.5, nan, -3.0]],
+                   [[-0.5, -5.0, nan], [-0.5, 0.0, -1.0]], dtype=torch.float32)
+    out = CreditPipeline("opd")(batch)
+    torch.testing.assert_close(out.advantages, torch.tensor([[0.5, -3.0, 0.0], [0.0, 0.0, 2.0]]))
+    assert out.metrics["opd/reward_mean"] == pytest.approx(-0.5 / 4)
+    assert out.metrics["opd/reverse_kl_est"] == pytest.approx(0.5 / 4)
+    out = CreditPipeline("opd", opd={"clip": 1.0, "coefficient": 2.0})(batch)
+    torch.testing.assert_close(out.advantages, torch.tensor([[1.0, -2.0, 0.0], [0.0, 0.0, 2.0]]))
+    assert out.metrics["opd/clip_frac"] == pytest.approx(2 / 4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=oppo_batches(dtype=torch.float32), extra=st.integers(1, 3))
+def test_opd_finite_masked_and_padding_invariant(batch, extra):
+    adv = CreditPipeline("opd")(batch).advantages
+    assert torch.isfinite(adv).all() and (adv[~batch.mask] == 0).all()
+    padded = CreditPipeline("opd")(pad_batch(batch, extra)).advantages
+    assert torch.equal(padded[:, : adv.shape[1]], adv)
+
+
+@pytest.mark.parametrize("kw,field", [({"clip": 0.0}, "clip"), ({"clip": -2}, "clip"),
+                                      ({"coefficient": 0.0}, "coefficient"), ({"coefficient": math.inf}, "coefficient")])
+def test_opd_config_out_of_range(kw, field):
+    with pytest.raises(ValueError, match=field):
+        OPDConfig(**kw)
