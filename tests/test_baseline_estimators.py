@@ -38,6 +38,15 @@ def test_grpo_hand_case():
     assert (adv[:, 2] == 0).all()
 
 
+def test_grpo_equal_rewards_give_exactly_zero_and_std_toggle():
+    b = _batch([1.0, 1.0, 0.0, 2.0], [0, 0, 1, 1], mask=[[1, 1, 0]] * 4)
+    adv = compute_credit("grpo", b).advantages
+    assert (adv[:2] == 0).all()  # no signal in a group of equal rewards, and no NaN from std = 0
+    raw = compute_credit("grpo", b, grpo={"std_normalize": False}).advantages
+    torch.testing.assert_close(raw[2:, 0], torch.tensor([-1.0, 1.0], dtype=raw.dtype))
+    assert not torch.allclose(raw[2:, 0], adv[2:, 0])
+
+
 def test_dr_grpo_hand_case_and_equals_grpo_without_std():
     b = _batch([1.0, 0.0, 0.0, 0.0, 2.0, 4.0], [0, 0, 0, 0, 1, 1], mask=[[1, 1, 0]] * 6)
     adv = compute_credit("dr_grpo", b).advantages

@@ -35,7 +35,8 @@ def _cfg(tmp_path, credit="grpo", steps=1, **kw) -> TrainConfig:
         task=TaskConfig(name="add1", n_train=16, n_eval=2, reward_fn=kw.pop("reward_fn", "test_trainer:crc_reward")),
         rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=5, temperature=1.0),
         optim=OptimConfig(lr=1e-3, micro_batch_size=3, ppo_epochs=kw.pop("ppo_epochs", 1)),
-        log=LogConfig(eval_every=kw.pop("eval_every", 100), eval_samples=1, progress=False),
+        log=LogConfig(eval_every=kw.pop("eval_every", 100), eval_samples=1, progress=False,
+                      eval_at_start=kw.pop("eval_at_start", False)),
         **kw,
     )
     return apply_recipe(cfg)
@@ -110,6 +111,14 @@ def test_resume_is_exact(tmp_path):
     assert strip(resumed) == strip(straight)
 
 
+def test_eval_at_start_logs_the_baseline_as_step_zero(tmp_path):
+    _trainer(_cfg(tmp_path, "grpo", steps=1, eval_at_start=True)).train()
+    m = _metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in m] == [0.0, 1.0]
+    assert "eval/greedy_acc" in m[0] and "loss/policy" not in m[0]
+    assert (tmp_path / "run" / "eval" / "samples_step_00000000.jsonl").exists()
+
+
 def test_reward_failures_are_isolated(tmp_path):
     tr = _trainer(_cfg(tmp_path, "grpo", steps=2, reward_fn="test_trainer:flaky_reward"))
     tr.train()
@@ -167,4 +176,5 @@ def test_smoke_on_the_real_embedded_model(tmp_path):
     )
     Trainer(cfg).train()
     m = _metrics(tmp_path / "run" / "metrics.jsonl")
-    assert m[0]["step"] == 1.0 and "taco/weight_mean" in m[0] and "eval/greedy_acc" in m[0]
+    assert [r["step"] for r in m] == [0.0, 1.0]  # the baseline eval, then the step
+    assert "taco/weight_mean" in m[1] and "eval/greedy_acc" in m[1] and "eval/greedy_acc" in m[0]

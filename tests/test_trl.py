@@ -21,7 +21,12 @@ from peft import LoraConfig  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from tokencredit import TOKEN_SIGNALS, CreditPipeline  # noqa: E402
-from tokencredit.integrations.trl import CREDIT_STATE_NAME, TokenCreditGRPOTrainer  # noqa: E402
+from tokencredit.integrations.trl import (  # noqa: E402
+    CREDIT_STATE_NAME,
+    TokenCreditGRPOTrainer,
+    checkpointing_args,
+    checkpointing_field,
+)
 from tokencredit.testing import tiny_model_and_tokenizer  # noqa: E402
 
 TEMPERATURE = 0.8  # not 1, so that a signal computed without the temperature shows up
@@ -48,12 +53,13 @@ def _dataset(n=8, answer_column="answer"):
     )
 
 
-def _args(tmp_path, **kw):
+def _args(tmp_path, checkpointing=False, **kw):
+    # TRL turns activation checkpointing on by default; its field is gradient_checkpointing in
+    # transformers 5.10 and may be activation_checkpointing in newer releases
     base = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=4,
-        num_generations=2, max_completion_length=4, report_to="none", activation_checkpointing=False,
-        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, learning_rate=1e-2,
-        temperature=TEMPERATURE,
+        num_generations=2, max_completion_length=4, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=0, learning_rate=1e-2, temperature=TEMPERATURE, **checkpointing_args(checkpointing),
     )
     base.update(kw)
     return GRPOConfig(**base)
@@ -131,7 +137,8 @@ class Recording(TokenCreditGRPOTrainer):
             enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
             o_ids = torch.cat([enc["input_ids"], comp], 1)
             o_att = torch.cat([enc["attention_mask"], out["completion_mask"]], 1)
-            exp["oracle_logprobs"] = _token_logprobs(_logits(model, o_ids, o_att, T), comp)
+            scorer = self.oracle_model if self.oracle_model is not None else model
+            exp["oracle_logprobs"] = _token_logprobs(_logits(scorer, o_ids, o_att, T), comp)
         return exp
 
     def _compute_loss(self, model, inputs):
@@ -139,15 +146,16 @@ class Recording(TokenCreditGRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
-def _make(tmp_path, credit, *, lora=False, config=None, cls=Recording, model=None, **args):
+def _make(tmp_path, credit, *, lora=False, config=None, cls=Recording, model=None, teacher=False, **args):
     if model is None:
         model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=2.0)
     else:
         model, tok = model
     reward = RewardLog()
+    extra = {"oracle_model": tiny_model_and_tokenizer(seed=1, eos_bias=2.0)[0]} if teacher else {}
     trainer = cls(
         model=model, reward_funcs=reward, args=_args(tmp_path, **args), train_dataset=_dataset(),
-        processing_class=tok, peft_config=_lora() if lora else None, credit=credit, credit_config=config,
+        processing_class=tok, peft_config=_lora() if lora else None, credit=credit, credit_config=config, **extra,
     )
     trainer.reward_log = reward
     return trainer
@@ -157,21 +165,27 @@ def _rows(ids, adv):
     return sorted((tuple(i.tolist()), tuple(round(a, 6) for a in r.tolist())) for i, r in zip(ids, adv))
 
 
-def _check_run(trainer, credit, config=None):
-    assert trainer.state.global_step == 2 and len(trainer.records) == 2
-    for rec, returned in zip(trainer.records, trainer.reward_log.returned):
+def _check_run(trainer, credit, config=None, steps=2):
+    args = trainer.args
+    per_gen = args.steps_per_generation  # micro-batches (loss calls) fed by one generation
+    assert trainer.state.global_step == steps
+    assert len(trainer.records) == steps * args.gradient_accumulation_steps // per_gen
+    G = args.per_device_train_batch_size * per_gen  # completions per generation
+    nonzero = False
+    for rec, returned in zip(trainer.records, trainer.reward_log.returned, strict=True):
         batch, out = rec["batch"], rec["out"]
         adv = out["advantages"]
         B, T = out["completion_ids"].shape
-        assert adv.shape == (B, T) and torch.isfinite(adv).all()
+        assert B == G and adv.shape == (B, T) and torch.isfinite(adv).all()
         # the raw rewards and TRL's consecutive groups reach the estimator
         assert batch.rewards.tolist() == returned
-        assert batch.group_ids.tolist() == [i // 2 for i in range(B)]
+        assert batch.group_ids.tolist() == [i // args.num_generations for i in range(B)]
         assert torch.equal(batch.response_mask.bool(), out["completion_mask"].bool())
         # exactly the declared signals are computed, and they match an independent forward pass
         core = CreditPipeline(credit, dict(config or {}))
         present = {s for s in TOKEN_SIGNALS if getattr(batch, s) is not None}
         assert present == set(core.required_signals)
+        assert set(rec["expected"]) == present
         m = batch.mask
         for name, expected in rec["expected"].items():
             got = getattr(batch, name)
@@ -181,14 +195,22 @@ def _check_run(trainer, credit, config=None):
         ref = core(batch, update_state=False).advantages
         assert torch.allclose(adv, ref, atol=1e-6, rtol=0)
         assert (adv[~m] == 0).all()
-    # TRL's loss received exactly these [B, T] rows (shuffled)
-    for rec, (ids, adv) in zip(trainer.records, trainer.loss_rows):
-        assert adv.dim() == 2
+        nonzero |= bool((adv != 0).any())
+    assert nonzero  # some group carried signal: the comparison above is not between zeros
+    # TRL's loss received exactly these [B, T] rows (shuffled, split into micro-batches)
+    assert len(trainer.loss_rows) == len(trainer.records) * per_gen
+    for i, rec in enumerate(trainer.records):
+        parts = trainer.loss_rows[i * per_gen : (i + 1) * per_gen]
+        assert all(adv.dim() == 2 for _, adv in parts)
+        ids = torch.cat([p[0] for p in parts])
+        adv = torch.cat([p[1] for p in parts])
         assert _rows(ids, adv) == _rows(rec["out"]["completion_ids"], rec["out"]["advantages"])
-    # the methods' metrics are in TRL's logs
+    # the methods' metrics (the controller's too) and the credit diagnostics are in TRL's logs
     logged = set(trainer.state.log_history[0])
-    assert set(trainer.last_credit_output.metrics) <= logged, set(trainer.last_credit_output.metrics) - logged
-    assert "diag/weight_gini" in logged
+    expected = set(trainer.last_credit_output.metrics) | {"diag/weight_gini"}
+    if trainer.credit.states:
+        expected |= set(copy.deepcopy(trainer.credit).update_state(trainer.last_credit_batch))
+    assert expected <= logged, expected - logged
 
 
 # (spec, credit_config, trainer options); configs put the random model where the calibrator acts
@@ -203,12 +225,22 @@ FAMILIES = [
     ("rloo+arca", {}, {"lora": True}),
     ("divergence", {}, {"lora": True}),
     ("oppo+stare", {"stare": {"H_target": 10.0, "adaptive": True}}, {}),
+    ("dr_grpo", {}, {}),
+    ("gtpo", {}, {}),
+    ("opd", {}, {}),
+    ("surprisal", {}, {}),
+    ("entropy", {}, {}),
+    ("oppo+taco", {"oppo": {"oracle": "teacher"}, "taco": {"alpha": 2.0}}, {"teacher": True}),
+    ("acpo", {}, {"checkpointing": True}),  # TRL's default: activation checkpointing on
+    ("rloo+arca", {}, {"lora": True, "checkpointing": True}),
 ]
+FAMILY_IDS = [f[0] + ("-teacher" if f[2].get("teacher") else "") + ("-ckpt" if f[2].get("checkpointing") else "") for f in FAMILIES]
 
 
-@pytest.mark.parametrize("credit,config,kw", FAMILIES, ids=[f[0] for f in FAMILIES])
+@pytest.mark.parametrize("credit,config,kw", FAMILIES, ids=FAMILY_IDS)
 def test_two_steps_match_core_pipeline(tmp_path, credit, config, kw):
     trainer = _make(tmp_path, credit, config=config, **kw)
+    assert getattr(trainer.args, checkpointing_field()) is kw.get("checkpointing", False)
     trainer.train()
     _check_run(trainer, credit, config)
     core = CreditPipeline(credit, dict(config))
@@ -251,6 +283,9 @@ def test_stare_state_in_checkpoint_and_restored(tmp_path):
     ckpts = {s: tmp_path / "out" / f"checkpoint-{s}" for s in (1, 2)}
     saved = {s: json.loads((p / CREDIT_STATE_NAME).read_text()) for s, p in ckpts.items()}
     assert saved[1]["spec"] == saved[2]["spec"] == "grpo+stare"
+    # the controller moved, so a resume that ignored the file would start from another state
+    initial = json.loads(json.dumps(CreditPipeline("grpo+stare", {"stare": {"adaptive": True}}).state_dict()))
+    assert saved[1]["state"] != initial and saved[2]["state"] != saved[1]["state"]
     assert saved[2]["state"] == json.loads(json.dumps(trainer.credit.state_dict()))
     # the state saved at step 1 is the one the step-2 credit was computed with
     assert saved[1]["state"] == json.loads(json.dumps(trainer.records[1]["state"]))
@@ -274,6 +309,32 @@ def test_controller_steps_once_per_optimizer_step(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2
     assert calls == [4, 4]  # the whole generation batch, once per optimizer step
+
+
+@pytest.mark.parametrize(
+    "credit,extra_passes,kw",
+    [
+        ("grpo", 0, {}),  # no signal: no forward beyond the loss's
+        ("surprisal", 0, {"steps_per_generation": 2}),  # log-probs only: TRL's generation-time pass is reused
+        ("surprisal", 1, {}),  # log-probs only, none from TRL: one pass per generation
+        ("taco", 1, {}),  # log-probs and entropy: one pass per generation
+    ],
+    ids=["grpo", "surprisal-reused", "surprisal", "taco"],
+)
+def test_signals_only_when_declared(tmp_path, credit, extra_passes, kw):
+    trainer = _make(tmp_path, credit, **kw)
+    calls = []
+    original = trainer._get_per_token_logps_and_entropies
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: calls.append(torch.is_grad_enabled()) or original(*a, **k)
+    trainer.train()
+    _check_run(trainer, credit)
+    n_gen, n_loss = len(trainer.records), len(trainer.loss_rows)
+    trl_old = int("old_per_token_logps" in trainer.records[0]["out"])  # TRL's own no-grad pass
+    assert trl_old == int(kw.get("steps_per_generation", 1) > 1)
+    assert calls.count(True) == n_loss
+    assert calls.count(False) == n_gen * (trl_old + extra_passes)
+    if trl_old:
+        assert trainer.records[0]["batch"].logprobs.equal(trainer.records[0]["out"]["old_per_token_logps"])
 
 
 @pytest.mark.parametrize("credit", ["gae", "pact", "gae+arca"])

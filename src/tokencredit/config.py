@@ -108,6 +108,8 @@ class DapoConfig:
 @dataclass
 class LogConfig:
     eval_every: int = 10
+    # evaluate once before the first step (logged as step 0): the baseline a run's curves start from
+    eval_at_start: bool = True
     eval_samples: int = 4  # k for mean@k
     save_rollouts: bool = True
     tensorboard: bool = False

@@ -592,6 +592,8 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.log.progress, desc=f"train {self.credit.name}")
         last: Dict[str, float] = {}
         try:
+            if self.step == 0 and cfg.log.eval_at_start and not cfg.resume:
+                self._log({"step": 0.0, **self.evaluate()})
             while self.step < cfg.steps:
                 metrics = self.train_step()
                 self.step += 1

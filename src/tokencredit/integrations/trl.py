@@ -44,6 +44,7 @@ that is the policy the update starts from.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import warnings
@@ -65,7 +66,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..batch import CreditBatch
 from ..spec import CreditPipeline
 
-__all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION"]
+__all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION", "checkpointing_field", "checkpointing_args"]
 
 #: the TRL minor version this integration was written and tested against
 TESTED_TRL_VERSION = "1.16"
@@ -107,6 +108,39 @@ def _check_trl_methods() -> None:
     for name, why in _TRL_METHODS.items():
         if not callable(getattr(GRPOTrainer, name, None)):
             raise _trl_problem(f"trl.GRPOTrainer has no method {name!r} ({why})")
+
+
+# transformers 5.10 calls the activation-recomputation switch of ``TrainingArguments``
+# ``gradient_checkpointing``; newer releases may call it ``activation_checkpointing``. The new
+# name wins when both exist (the old one is then a deprecated alias).
+_CHECKPOINTING_FIELDS = ("activation_checkpointing", "gradient_checkpointing")
+
+
+def checkpointing_field(config_cls=None) -> str:
+    """The name of the activation (gradient) checkpointing field of ``config_cls`` (default
+    ``trl.GRPOConfig``): ``"gradient_checkpointing"`` in transformers 5.10, or
+    ``"activation_checkpointing"`` where a newer transformers renamed it."""
+    cls = config_cls if config_cls is not None else trl.GRPOConfig
+    names = {f.name for f in dataclasses.fields(cls)}
+    for name in _CHECKPOINTING_FIELDS:
+        if name in names:
+            return name
+    raise _trl_problem(f"{cls.__name__} has none of the fields {list(_CHECKPOINTING_FIELDS)}")
+
+
+def checkpointing_args(enabled: bool, config_cls=None) -> Dict[str, bool]:
+    """``{field: enabled}`` for the installed transformers, e.g.
+    ``GRPOConfig(**checkpointing_args(False), ...)`` turns activation checkpointing (TRL's
+    default: on) off under either field name."""
+    return {checkpointing_field(config_cls): bool(enabled)}
+
+
+def _checkpointing_kwargs(args) -> Optional[dict]:
+    for name in _CHECKPOINTING_FIELDS:
+        kw = getattr(args, f"{name}_kwargs", None)
+        if kw is not None:
+            return kw
+    return None
 
 
 def _is_peft(model) -> bool:
@@ -450,7 +484,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
             from trl.models.utils import disable_gradient_checkpointing
         except ImportError:
             return contextlib.nullcontext()
-        return disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+        return disable_gradient_checkpointing(self.model, _checkpointing_kwargs(self.args))
 
     def _logits_signals(self, model, ids, att, completion_ids, bs, want):
         """token_signals of ``completion_ids`` from a plain forward returning logits (chunked by ``bs``)."""

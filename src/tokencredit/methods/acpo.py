@@ -20,7 +20,7 @@ mode, ``grad Hs = Hs'(p) p grad log pi(y)``: parallel to the policy-gradient dir
 sampled token, unlike the gradient of the full entropy, which pulls on every logit.
 
 Provenance: **reconstruction**. Only the abstract is available; the surrogate, the bounds and
-the asymmetric weights follow its claims as written in methods.md (section ACPO). This is not
+the asymmetric weights follow its claims as written in docs/methods.md (section ACPO). This is not
 presented as the authors' exact algorithm.
 """
 

@@ -12,7 +12,7 @@ uniform (w = 1), never NaN. Without clipping the weights have mean exactly 1 per
 so the trajectory's total credit is that of the estimator; a binding w_max lowers it.
 
 Provenance: the salience s_t is the paper's; the weighting (normalise to mean 1, mix, clip)
-is a **reconstruction** from the abstract's claims (methods.md, section ARCA). The same
+is a **reconstruction** from the abstract's claims (docs/methods.md, section ARCA). The same
 weighting serves ARCA's intrinsic baselines (``intrinsic.py``) through
 :func:`normalize_salience`, so the comparison changes only the salience.
 """
@@ -33,7 +33,7 @@ from ..registry import CreditOutput, register_calibrator
 
 __all__ = ["ARCAConfig", "arca", "normalize_salience", "weighting_metrics", "DEFAULT_KAPPA", "DEFAULT_W_MAX"]
 
-# reconstructed (methods.md): pure salience weights; kappa < 1 interpolates toward uniform credit
+# reconstructed (docs/methods.md): pure salience weights; kappa < 1 interpolates toward uniform credit
 DEFAULT_KAPPA = 1.0
 # reconstructed: serves the claim of a non-degenerate middle regime. Capping a token at 5x the
 # trajectory's mean credit keeps salience from piling the credit onto a few positions (the
@@ -103,7 +103,7 @@ def weighting_metrics(method: str, weights: Tensor, salience: Tensor, mask: Tens
 
 @dataclass
 class ARCAConfig:
-    kappa: float = DEFAULT_KAPPA  # reconstructed (methods.md): 1.0 = pure residual salience
+    kappa: float = DEFAULT_KAPPA  # reconstructed (docs/methods.md): 1.0 = pure residual salience
     w_max: float = DEFAULT_W_MAX  # reconstructed: caps one token at 5x mean credit (middle-regime claim)
 
     def __post_init__(self):

@@ -51,8 +51,8 @@ class GTPOConfig:
     # paper: O+ = correct responses; with rewards in {0, 1} any threshold in [0, 1) splits them.
     # Must be >= 0 so that every O+ reward, and so every O+ token reward, is positive.
     success_threshold: float = 0.5
-    a1: float = 1.0  # paper (methods.md): weight of the outcome term
-    a2: float = 0.1  # paper (methods.md): weight of the entropy-shaped term
+    a1: float = 1.0  # paper (docs/methods.md): weight of the outcome term
+    a2: float = 0.1  # paper (docs/methods.md): weight of the entropy-shaped term
     # paper: guard H ~ 0 in the ratios; 1e-6 bounds 1/H~ at 1e6, safe in float32
     eps: float = 1e-6
     # our reading of the paper's separate O+/O- normalisation (see module docstring)

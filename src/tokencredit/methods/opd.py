@@ -30,7 +30,7 @@ __all__ = ["OPDConfig", "opd", "distillation_evidence"]
 
 @dataclass
 class OPDConfig:
-    # the OPD reward is the raw log-ratio (on-policy distillation; methods.md "OPD / SDPO");
+    # the OPD reward is the raw log-ratio (on-policy distillation; docs/methods.md "OPD / SDPO");
     # a clip bounds the reward where teacher and student disagree wildly (None = no clip)
     clip: Optional[float] = None
     # the reward enters the policy gradient with weight 1 in on-policy distillation

@@ -32,7 +32,7 @@ every token gets 0 credit, as under GRPO. Anchoring breaks the telescoping sum.
 Provenance: the claims (Bayesian-update reading, running success probability, factorisation,
 OPD as the self-oracle special case) are the paper's abstract; the recursion, the clips, the
 prior, the terminal condition, the anchoring modes and the oracle template are a
-**reconstruction** (methods.md, section OPPO), not the authors' exact algorithm.
+**reconstruction** (docs/methods.md, section OPPO), not the authors' exact algorithm.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from .opd import distillation_evidence
 
 __all__ = ["OPPOConfig", "oppo", "oracle_prompt", "belief_trajectory", "DEFAULT_ORACLE_TEMPLATE"]
 
-# reconstructed (methods.md: "x+ = x plus the reference answer, a documented template"). The
+# reconstructed (docs/methods.md: "x+ = x plus the reference answer, a documented template"). The
 # answer is given as privileged context and the model is still asked to reason, so that the
 # oracle scores the policy's reasoning tokens as a success-conditioned policy would.
 DEFAULT_ORACLE_TEMPLATE = (
@@ -99,7 +99,7 @@ class OPPOConfig:
     # reconstructed: keeps V off 0 and 1 (both would be absorbing for a multiplicative update)
     # and the state weight V(1 - V) >= ~eps
     eps: float = 1e-3
-    # reconstructed (methods.md: "prior V_0 = group success rate"); "leave_one_out" excludes
+    # reconstructed (docs/methods.md: "prior V_0 = group success rate"); "leave_one_out" excludes
     # the response's own outcome from its prior
     prior: str = "group_mean"
     # paper claim "accumulating it gives a running success probability"; off: V stays at V_0
@@ -107,7 +107,7 @@ class OPPOConfig:
     # paper claim "a state weight concentrated on pivotal tokens"; off (with either flag off
     # the first-order form A_t = g_t e_t is used) gives A_t = e_t, the OPD reward
     state_weight: bool = True
-    # methods.md "direction anchoring" option: "off" | "zero" | "flip"
+    # docs/methods.md "direction anchoring" option: "off" | "zero" | "flip"
     anchor: str = "off"
     # informational for the trainer: which model scores the oracle prompt, the policy itself
     # ("self", self-oracle, recovers SDPO/OPD) or a frozen stronger model ("teacher")

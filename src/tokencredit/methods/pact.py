@@ -23,7 +23,7 @@ positions inside a response are skipped in both modes, as in GAE.
 
 Provenance: theory, actor advantage, BCE critic and actor-then-critic order are the paper's;
 the IS ratio being the per-token ratio of the token at t (not a product over the future) and
-its truncation range are a **reconstruction** (methods.md, section PACT).
+its truncation range are a **reconstruction** (docs/methods.md, section PACT).
 """
 
 from __future__ import annotations

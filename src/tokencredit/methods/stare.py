@@ -26,7 +26,7 @@ from the step's batch, before-update entropy:
     W <- clip(W + a sgn(H_target - Hbar), 1, w_max)
     M <- clip(M - a sgn(H_target - Hbar), m_min, 1)        (only with adaptive=True)
 
-Provenance: reference code (hp-luo/STARE, a verl 0.7 fork), summarised in methods.md.
+Provenance: reference code (hp-luo/STARE, a verl 0.7 fork), summarised in docs/methods.md.
 """
 
 from __future__ import annotations

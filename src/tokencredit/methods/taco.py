@@ -20,7 +20,7 @@ Two of the paper's baselines are offered through ``mode`` (same positive-only ru
   first PPO epoch).
 * ``"mask_low_prob"``: ``w_t = 0`` where ``p_t < mask_prob`` and ``H_t < mask_entropy``, else 1.
 
-Provenance: reference code (xiuyilou/TACO, a verl 0.8 fork), summarised in methods.md.
+Provenance: reference code (xiuyilou/TACO, a verl 0.8 fork), summarised in docs/methods.md.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class TACOConfig:
     alpha: float = 0.01  # reference code default: tail when p_t < alpha * exp(-H_t)
     lam: float = 0.9  # reference code default: a tail token keeps at least 1 - lam = 10% of its credit
     mode: str = "taco"  # "taco" | paper baselines "prob_reweight" | "mask_low_prob"
-    reweight_a: float = 0.1  # paper baseline A * ((1 - a) + a p): a = 0.1 (methods.md)
-    mask_prob: float = 0.002  # paper baseline: mask positive tokens with p < 0.002 (methods.md)
-    # reconstructed: methods.md says only "low entropy"; 1 nat separates near-deterministic
+    reweight_a: float = 0.1  # paper baseline A * ((1 - a) + a p): a = 0.1 (docs/methods.md)
+    mask_prob: float = 0.002  # paper baseline: mask positive tokens with p < 0.002 (docs/methods.md)
+    # reconstructed: docs/methods.md says only "low entropy"; 1 nat separates near-deterministic
     # positions (a clear favourite) from genuinely open ones, so masked tokens are rare
     # tokens sampled where the model was confident, the same rarity TACO's tail targets
     mask_entropy: float = 1.0
