@@ -3,4 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# headless Chromium for the inspect page's browser test (Debian's package; no browser download,
+# never `playwright install`). Skipped where it is already there or apt is unavailable.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "warning: could not install chromium; the browser test will be skipped" >&2
+fi
 .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"

@@ -75,6 +75,65 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace, rest: List[str]) -> int:
+    from .compare import parse_seeds, parse_specs, run_compare
+    from .config import load_config
+
+    for flag in ("--seed", "--credit", "--resume"):
+        if any(a == flag or a.startswith(flag + "=") for a in rest):
+            raise SystemExit(
+                f"tokencredit compare: {flag} is set per run by compare; use --credit A,B and --seeds 0,1"
+            )
+    try:
+        specs = parse_specs(args.credit, "--credit")
+        seeds = parse_seeds(args.seeds, "--seeds")
+    except ValueError as e:
+        raise SystemExit(f"tokencredit compare: {e}") from None
+    base = load_config(args.config, rest)
+    try:
+        result = run_compare(base, specs, seeds, args.output_dir, progress=not args.quiet, report=True)
+    except KeyboardInterrupt as e:
+        print(f"\ncompare interrupted ({e}); rerun the same command to resume")
+        return 130
+    except ValueError as e:
+        raise SystemExit(f"tokencredit compare: {e}") from None
+    print(f"report: {result['report']}")
+    return 0
+
+
+def _compare_report(args: argparse.Namespace) -> int:
+    """--report-only: rebuild the report from the runs already on disk."""
+    import json
+    from pathlib import Path
+
+    from .compare import parse_seeds, parse_specs, write_report
+
+    out = Path(args.output_dir)
+    meta_file = out / "compare.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    try:
+        specs = parse_specs(args.credit if args.credit else meta.get("specs"), "--credit")
+        seeds = parse_seeds(args.seeds if args.seeds else meta.get("seeds"), "--seeds")
+    except ValueError as e:
+        raise SystemExit(f"tokencredit compare: {e}") from None
+    path = write_report(out, specs, seeds, steps=meta.get("steps"))
+    print(f"report: {path}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace, rest: List[str]) -> int:
+    from .inspector import write_page
+
+    if rest:
+        raise SystemExit(f"tokencredit inspect: unexpected arguments {rest}")
+    try:
+        path = write_page(args.rollouts, args.output, methods=args.methods, credit_args=tuple(args.credit_args))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"tokencredit inspect: {e}") from None
+    print(f"page written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokencredit", description="token-level credit assignment for LLM RL")
     sub = p.add_subparsers(dest="command", required=True)
@@ -92,6 +151,33 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run", default=None, help="a run directory written by 'tokencredit train'")
     e.add_argument("--config", default=None)
     e.set_defaults(func=_eval)
+    c = sub.add_parser(
+        "compare",
+        help="train several credit specs on the same task, model, seeds and budget; write a report",
+        description="Train every spec x seed (resumable runs in OUT/<spec>/seed<k>/), then write "
+        "OUT/report.md and OUT/plots/*.png. Other options are TrainConfig fields, as for "
+        "'tokencredit train' (e.g. --steps 20 --task.name add1).",
+        allow_abbrev=False,
+    )
+    c.add_argument("--credit", default=None, help="comma-separated credit specs or recipes, e.g. grpo,taco,oppo+stare")
+    c.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    c.add_argument("--output-dir", "--output_dir", dest="output_dir", default="runs/compare", help="where runs and the report go")
+    c.add_argument("--config", default=None, help="YAML file of TrainConfig fields shared by every run")
+    c.add_argument("--report-only", action="store_true", help="do not train; rebuild the report from the runs on disk")
+    c.add_argument("--quiet", action="store_true", help="no progress lines")
+    c.set_defaults(func=lambda a, rest: _compare_report(a) if a.report_only else _compare(a, rest))
+    i = sub.add_parser(
+        "inspect",
+        help="an HTML page of token credit per method on a saved rollout batch",
+        description="Replay a saved rollout batch (eval/rollouts_step_*.pt, or a run directory: its "
+        "latest) through every method whose signals it has and write one self-contained HTML page.",
+        allow_abbrev=False,
+    )
+    i.add_argument("rollouts", metavar="ROLLOUTS", help="a rollouts_step_*.pt file or a run directory")
+    i.add_argument("--methods", default=None, help="comma-separated credit specs (default: every registered spec plus a few compositions)")
+    i.add_argument("-o", "--output", default=None, help="the HTML file (default: ROLLOUTS with .html)")
+    i.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE", help="method configs for the replay, e.g. taco.lam=0.5")
+    i.set_defaults(func=_inspect)
     return p
 
 

@@ -19,6 +19,7 @@ The module is split in two:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -440,7 +441,7 @@ def run_config(base, spec: str, seed: int, output_dir: Path):
     from .config import apply_recipe
 
     cfg = dataclasses.replace(
-        base,
+        copy.deepcopy(base),  # runs share no nested config object
         credit=spec,
         seed=seed,
         output_dir=str(run_path(output_dir, spec, seed)),
@@ -463,21 +464,32 @@ def _config_diff(saved: Dict[str, Any], new: Dict[str, Any], prefix: str = "") -
     return diffs
 
 
+def check_run_config(run_dir: Path, cfg) -> None:
+    """Raise ValueError if ``run_dir`` holds a run of another experiment than ``cfg`` (fields
+    other than the budget and bookkeeping differ), so that a report never mixes the two."""
+    from .config import config_to_dict
+
+    cfg_file = Path(run_dir) / "config.json"
+    if not cfg_file.exists():
+        return
+    try:
+        saved = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError:
+        return
+    diffs = _config_diff(saved, json.loads(json.dumps(config_to_dict(cfg))))
+    if diffs:
+        raise ValueError(
+            f"{run_dir}: an existing run with a different configuration ({'; '.join(diffs[:5])}); "
+            f"use another --output-dir or delete that run"
+        )
+
+
 def _prepare_resume(run_dir: Path, cfg) -> Optional[int]:
     """Decide how an existing, unfinished run continues; returns the checkpoint step resumed
     from, or None for a fresh start. Metrics rows past the checkpoint (logged, then lost by the
     interruption) are dropped so the resumed run does not log a step twice."""
     from .checkpoint import latest_checkpoint
-    from .config import config_to_dict
 
-    cfg_file = run_dir / "config.json"
-    if cfg_file.exists():
-        diffs = _config_diff(json.loads(cfg_file.read_text()), config_to_dict(cfg))
-        if diffs:
-            raise ValueError(
-                f"{run_dir}: an existing run with a different configuration ({'; '.join(diffs[:5])}); "
-                f"use another --output-dir or delete that run"
-            )
     metrics = run_dir / "metrics.jsonl"
     ck = latest_checkpoint(run_dir / "checkpoints")
     if ck is None:
@@ -499,10 +511,13 @@ def _row_step(line: str) -> Optional[int]:
         return None
 
 
-def run_one(cfg, trainer_factory: Callable = _default_trainer, log: Callable[[str], None] = print) -> str:
+def run_one(cfg, trainer_factory: Optional[Callable] = None, log: Callable[[str], None] = print) -> str:
     """Train one run to ``cfg.steps``: ``"skipped"`` if finished, ``"resumed"`` or
-    ``"started"`` otherwise. Raises KeyboardInterrupt if the trainer was interrupted."""
+    ``"started"`` otherwise. Raises KeyboardInterrupt if the trainer was interrupted, and
+    ValueError if the directory holds a run with another configuration."""
+    trainer_factory = trainer_factory or _default_trainer
     run_dir = Path(cfg.output_dir)
+    check_run_config(run_dir, cfg)
     if is_finished(run_dir, cfg.steps):
         return "skipped"
     status = "started"
@@ -525,7 +540,7 @@ def run_compare(
     seeds: Sequence[int] | str,
     output_dir: str | Path,
     *,
-    trainer_factory: Callable = _default_trainer,
+    trainer_factory: Optional[Callable] = None,
     progress: bool = True,
     report: bool = True,
 ) -> Dict[str, Any]:
@@ -548,12 +563,14 @@ def run_compare(
     console = Console(stderr=True, quiet=not progress, highlight=False)
     jobs = [(spec, seed) for spec in specs for seed in seeds]
     configs = {(spec, seed): run_config(base, spec, seed, out) for spec, seed in jobs}
+    for job in jobs:  # before training anything: a mismatch is found at once, not hours later
+        check_run_config(Path(configs[job].output_dir), configs[job])
     statuses: Dict[Tuple[str, int], str] = {}
     (out / "compare.json").write_text(json.dumps({"specs": specs, "seeds": seeds, "steps": base.steps}, indent=2))
     for i, (spec, seed) in enumerate(jobs, 1):
         cfg = configs[(spec, seed)]
         if is_finished(Path(cfg.output_dir), cfg.steps):
-            statuses[(spec, seed)] = "skipped"
+            statuses[(spec, seed)] = "skipped"  # run_one would skip it too; said here once
             console.print(f"[{i}/{len(jobs)}] {spec} seed {seed}: finished, skipped")
             continue
         console.print(f"[{i}/{len(jobs)}] {spec} seed {seed}: training {cfg.steps} steps in {cfg.output_dir}")
