@@ -108,7 +108,7 @@ class Trainer:
         if "hidden_residual" in self.need and not is_lora(model):
             raise ValueError(
                 f"credit '{self.credit.name}' needs the adapter's hidden-state residual (ARCA): "
-                f"set --model.lora True (model.lora); got a {type(model).__name__} without an adapter"
+                f"pass --model.lora (config model.lora: true); got a {type(model).__name__} without an adapter"
             )
         self.model = model.to(self.device)
         self.tokenizer = tokenizer

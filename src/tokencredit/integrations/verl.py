@@ -1,0 +1,510 @@
+"""tokencredit in verl: a ``verl.plugins`` entry point, selected by verl's own config keys.
+
+``pip install tokencredit[verl]`` installs an entry point in the group ``verl.plugins``; verl
+imports it on ``import verl`` in every process (driver, TaskRunner, every Ray worker), so these
+registrations exist wherever verl looks them up. What is registered (checked against verl 0.9.1):
+
+* **advantage estimators** ``tc_grpo``, ``tc_rloo``, ``tc_dr_grpo``: every tokencredit estimator
+  that needs no signal beyond the outcome (``algorithm.adv_estimator=tc_grpo``). verl calls a
+  custom estimator with ``token_level_rewards``, ``response_mask``, ``config`` (the ``algorithm``
+  section) and ``index`` (the prompt uid) only.
+* **policy loss** ``tokencredit`` (``actor_rollout_ref.actor.policy_loss.loss_mode=tokencredit``):
+  applies the calibrators of the credit spec to the advantages of the micro-batch, then calls a
+  verl policy loss (``base_loss_mode``, by default verl's ``vanilla`` PPO clip) on the calibrated
+  advantages, so verl's clip settings, rollout-IS weights and global-batch loss aggregation are
+  kept. verl gives a policy loss ``log_prob`` but no entropy: by itself it runs calibrators that
+  need only log-probs (``surprisal``).
+* **trainer mode** ``tokencredit_sync`` (``trainer.v1.trainer_mode=tokencredit_sync``, defined in
+  :mod:`tokencredit.integrations.verl_trainer`): verl's synchronous PPO trainer, plus (1) it reads
+  the ``tokencredit`` config section, validates it against the rest of the config and uses it in
+  the driver's estimators, and (2) through verl's public ``set_loss_fn`` worker method it
+  installs :func:`tokencredit_ppo_loss`, verl's ``ppo_loss`` wrapped so that the current
+  policy's entropy (``actor.calculate_entropy=True``) and the reference log-probs reach the
+  policy loss. That is what TACO, STARE and the entropy / divergence calibrators need.
+
+Hyperparameters (``tokencredit`` settings: ``spec``, ``base_loss_mode`` and one dict per method)
+come from, in this order: the settings the trainer mode installed from the top-level config
+section ``tokencredit`` (hydra: ``+tokencredit.spec=grpo+taco +tokencredit.taco.lam=0.5``),
+else the environment variable ``TOKENCREDIT_VERL_CONFIG`` (JSON, same keys), else defaults.
+No verl config class accepts unknown keys (``AlgoConfig`` and ``PolicyLossConfig`` reject them),
+hence a section of its own, outside every verl dataclass.
+
+Not supported in verl, and why (a clear error is raised when a spec needs one):
+
+* ``mode_prob`` (ACPO): verl's engines turn logits into log-probs and entropy inside the
+  forward pass; the top-1 probability is never returned to the loss.
+* ``hidden_residual`` (ARCA): verl produces no hidden states anywhere.
+* ``oracle_logprobs`` (OPPO, OPD): needs an extra forward pass on an oracle-prompted input,
+  which verl has no worker method for.
+* ``values`` (tokencredit's GAE, PACT): verl passes critic values only to its own GAE branch,
+  never to a registered estimator. Use verl's ``gae`` estimator (plus ``loss_mode=tokencredit``
+  for calibrators) instead.
+* ``entropy`` in an *estimator* (GTPO): estimators run on the driver without per-token signals.
+* STARE with ``adaptive=True``: its controller must step once per optimisation step from the
+  step's whole batch, while the loss runs per micro-batch on each rank (see ``docs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+import verl  # on `import verl` this module is loaded while verl/__init__ runs: __version__ is already set
+
+from ..batch import CreditBatch, CreditInputError
+from ..ops import masked_fill_zero
+from ..registry import get_method, list_methods
+from ..spec import CreditPipeline, parse_spec
+
+__all__ = [
+    "TESTED_VERL_VERSION",
+    "ENV_VAR",
+    "LOSS_MODE",
+    "TRAINER_MODE",
+    "ESTIMATOR_PREFIX",
+    "VerlCreditSettings",
+    "estimator_names",
+    "settings_from_config",
+    "install_settings",
+    "current_settings",
+    "calibrate",
+    "check_supported",
+    "tokencredit_policy_loss",
+    "tokencredit_ppo_loss",
+]
+
+log = logging.getLogger(__name__)
+
+#: the verl minor version whose internals this module was written against
+TESTED_VERL_VERSION = "0.9"
+#: JSON settings for processes that the trainer mode does not reach (plain verl trainers)
+ENV_VAR = "TOKENCREDIT_VERL_CONFIG"
+LOSS_MODE = "tokencredit"
+TRAINER_MODE = "tokencredit_sync"
+ESTIMATOR_PREFIX = "tc_"
+
+# Signals no verl code path can deliver to a credit method, with the reason (see module doc).
+UNSUPPORTED_SIGNALS = {
+    "mode_prob": "verl's engines compute log-probs and entropy inside the forward pass and never return "
+    "the top-1 probability to the loss",
+    "hidden_residual": "verl produces no hidden states anywhere",
+    "oracle_logprobs": "verl has no worker pass that scores the response after an oracle prompt",
+    "values": "verl passes critic values only to its built-in GAE, never to a registered estimator; "
+    "use algorithm.adv_estimator=gae",
+}
+# Signals the policy loss can get, and how to get them (for the error message).
+LOSS_SIGNAL_HINTS = {
+    "logprobs": "always passed by verl",
+    "old_logprobs": "always passed by verl",
+    "entropy": f"set trainer.v1.trainer_mode={TRAINER_MODE} and actor_rollout_ref.actor.calculate_entropy=True",
+    "ref_logprobs": f"set trainer.v1.trainer_mode={TRAINER_MODE} and use a reference policy "
+    "(actor_rollout_ref.actor.use_kl_loss=True; kl_loss_coef may be 0)",
+}
+
+
+def check_verl_version(version: Optional[str] = None) -> None:
+    """Raise if the installed verl is not the minor version this module reaches into."""
+    v = verl.__version__ if version is None else version
+    if not str(v).startswith(TESTED_VERL_VERSION + "."):
+        raise RuntimeError(
+            f"tokencredit.integrations.verl was written against verl {TESTED_VERL_VERSION}.x (its estimator, "
+            f"policy-loss and trainer registries and the engine's ppo_loss); the installed verl is {v}. "
+            f"Install 'verl>={TESTED_VERL_VERSION}.1,<0.10' (pip install 'tokencredit[verl]')."
+        )
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerlCreditSettings:
+    """What the verl plugin computes: a credit spec, per-method configs and the base loss.
+
+    spec: a tokencredit credit spec, e.g. ``"grpo+taco"``. Its estimator must be the one named
+        by ``algorithm.adv_estimator`` (``tc_grpo`` <-> ``grpo``); the policy loss applies only
+        its calibrators. ``None``: estimators run alone with defaults, the loss refuses to run.
+    base_loss_mode: the verl policy loss the calibrated advantages are handed to.
+    configs: per-method overrides by method name, e.g. ``{"taco": {"lam": 0.5}}``.
+    """
+
+    spec: Optional[str] = None
+    base_loss_mode: str = "vanilla"
+    configs: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+    def key(self) -> str:
+        """A stable text key (for caching one pipeline per distinct settings)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+
+def _plain(x: Any) -> Any:
+    """OmegaConf containers -> plain dicts/lists (without importing omegaconf at module level)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(x, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(x, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf ships with verl
+        pass
+    return x
+
+
+def settings_from_dict(d: Any) -> VerlCreditSettings:
+    """``{"spec": ..., "base_loss_mode": ..., "<method>": {...}}`` -> validated settings."""
+    d = _plain(d)
+    if d is None:
+        return VerlCreditSettings()
+    if not isinstance(d, Mapping):
+        raise TypeError(f"tokencredit settings: expected a mapping, got {type(d).__name__} {d!r}")
+    d = dict(d)
+    spec = d.pop("spec", None)
+    base = d.pop("base_loss_mode", "vanilla")
+    if spec is not None and not isinstance(spec, str):
+        raise TypeError(f"tokencredit.spec: expected a string like 'grpo+taco', got {spec!r}")
+    if not isinstance(base, str) or base == LOSS_MODE:
+        raise ValueError(
+            f"tokencredit.base_loss_mode: expected the name of a verl policy loss other than "
+            f"'{LOSS_MODE}' (e.g. 'vanilla'), got {base!r}"
+        )
+    configs = {}
+    for name, cfg in d.items():
+        if cfg is not None and not isinstance(cfg, Mapping):
+            raise TypeError(f"tokencredit.{name}: expected a mapping of {name}'s config keys, got {cfg!r}")
+        configs[str(name)] = dict(cfg or {})
+    settings = VerlCreditSettings(spec=spec, base_loss_mode=base, configs=configs)
+    if spec is not None:
+        # build once so that a typo fails here, when the config is read, not in a worker mid-run
+        check_supported(CreditPipeline(spec, {k: dict(v) for k, v in configs.items()}))
+    return settings
+
+
+def settings_from_config(config: Any) -> VerlCreditSettings:
+    """Settings from the top-level ``tokencredit`` section of a verl (hydra) config."""
+    section = config.get("tokencredit", None) if hasattr(config, "get") else None
+    return settings_from_dict(section)
+
+
+_INSTALLED: Optional[VerlCreditSettings] = None
+
+
+def install_settings(settings: Optional[VerlCreditSettings]) -> None:
+    """Make ``settings`` this process's settings (the trainer mode does this on the driver)."""
+    global _INSTALLED
+    if settings is not None and not isinstance(settings, VerlCreditSettings):
+        raise TypeError(f"settings: expected VerlCreditSettings or None, got {type(settings).__name__}")
+    _INSTALLED = settings
+
+
+def _settings_from_env() -> Optional[VerlCreditSettings]:
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return None
+    try:
+        d = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ENV_VAR}: expected JSON like '{{\"spec\": \"grpo+surprisal\"}}', got {raw!r} ({e})") from None
+    return settings_from_dict(d)
+
+
+def current_settings() -> VerlCreditSettings:
+    """Installed settings, else ``$TOKENCREDIT_VERL_CONFIG``, else defaults."""
+    if _INSTALLED is not None:
+        return _INSTALLED
+    return _settings_from_env() or VerlCreditSettings()
+
+
+# -- pipelines (one per process and distinct settings: this is where method state lives) ----
+
+_PIPELINES: Dict[Tuple[str, str], CreditPipeline] = {}
+
+
+def check_supported(pipeline: CreditPipeline) -> None:
+    """Raise for a spec that verl cannot feed (see the module doc for the reasons)."""
+    for m in pipeline.methods:
+        for sig in sorted(m.requires):
+            if sig in UNSUPPORTED_SIGNALS:
+                raise ValueError(
+                    f"credit spec '{pipeline.name}': method '{m.name}' needs '{sig}', which the verl integration "
+                    f"cannot provide: {UNSUPPORTED_SIGNALS[sig]}"
+                )
+        if m.kind == "estimator" and m.requires:
+            raise ValueError(
+                f"credit spec '{pipeline.name}': estimator '{m.name}' needs {sorted(m.requires)}, but verl calls "
+                f"registered estimators on the driver with outcome rewards, mask and uid only; registered "
+                f"estimators: {sorted(estimator_names())}"
+            )
+    stare = pipeline.configs.get("stare")
+    if stare is not None and stare.adaptive:
+        raise ValueError(
+            "credit spec with stare: adaptive=True is not supported in verl: the controller must step once per "
+            "optimisation step from the step's whole batch, but verl's policy loss runs per micro-batch on each "
+            "rank, so W and M would drift apart across ranks. Use adaptive=False (the reference default)."
+        )
+
+
+def _pipeline(kind: str, spec: str, settings: VerlCreditSettings) -> CreditPipeline:
+    key = (kind + ":" + spec, settings.key())
+    pipe = _PIPELINES.get(key)
+    if pipe is None:
+        names = {m.name for m in parse_spec(spec)}
+        pipe = CreditPipeline(spec, {k: dict(v) for k, v in settings.configs.items() if k in names})
+        check_supported(pipe)
+        _PIPELINES[key] = pipe
+    return pipe
+
+
+# -- advantage estimators ------------------------------------------------------------------
+
+
+def estimator_names() -> Dict[str, str]:
+    """verl estimator name -> tokencredit estimator, for every estimator that needs no signal."""
+    return {
+        ESTIMATOR_PREFIX + n: n
+        for n in list_methods("estimator")
+        if not get_method(n).requires
+    }
+
+
+def _group_ids(index: Any, batch_size: int) -> torch.Tensor:
+    if index is None:
+        raise CreditInputError(
+            "index: tokencredit's estimators need the prompt uid of every response (verl passes "
+            "non_tensor_batch['uid'] as index); got None"
+        )
+    idx = np.asarray(index)
+    if idx.shape != (batch_size,):
+        raise CreditInputError(f"index: expected one uid per response, shape ({batch_size},), got {idx.shape}")
+    # uids are strings (uuid4 per prompt); only equality matters, so map them to integer ids
+    _, inverse = np.unique(idx.astype(str), return_inverse=True)
+    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
+
+
+def _estimator_settings(name: str, settings: VerlCreditSettings, config: Any) -> VerlCreditSettings:
+    """The settings for estimator ``name``, with verl's ``norm_adv_by_std_in_grpo`` honoured for grpo."""
+    if settings.spec is not None:
+        spec_est = parse_spec(settings.spec)[0].name
+        if spec_est != name:
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}' starts with estimator '{spec_est}', but verl runs "
+                f"algorithm.adv_estimator={ESTIMATOR_PREFIX}{name}; make them agree"
+            )
+    if name != "grpo" or config is None or not hasattr(config, "get"):
+        return settings
+    norm = config.get("norm_adv_by_std_in_grpo", True)
+    given = settings.configs.get("grpo", {})
+    if "std_normalize" in given:
+        if bool(given["std_normalize"]) != bool(norm):
+            raise ValueError(
+                f"tokencredit.grpo.std_normalize={given['std_normalize']} contradicts "
+                f"algorithm.norm_adv_by_std_in_grpo={norm}; set one of them"
+            )
+        return settings
+    configs = dict(settings.configs)
+    configs["grpo"] = {**given, "std_normalize": bool(norm)}
+    return dataclasses.replace(settings, configs=configs)
+
+
+def _make_estimator(name: str):
+    def estimator(token_level_rewards, response_mask, config=None, index=None, **unused):
+        """verl advantage estimator backed by tokencredit's ``{name}`` (returns (advantages, returns))."""
+        settings = _estimator_settings(name, current_settings(), config)
+        pipe = _pipeline("estimator", name, settings)
+        if token_level_rewards.dim() != 2 or response_mask.shape != token_level_rewards.shape:
+            raise CreditInputError(
+                f"token_level_rewards / response_mask: expected two [B, T] tensors of one shape, got "
+                f"{tuple(token_level_rewards.shape)} and {tuple(response_mask.shape)}"
+            )
+        B = token_level_rewards.shape[0]
+        groups = _group_ids(index, B)
+        mask = response_mask.bool()
+        # outcome reward = sum over tokens, as verl's own outcome estimators (it includes the
+        # per-token KL penalty when algorithm.use_kl_in_reward is on)
+        rewards = token_level_rewards.sum(dim=-1)
+        # Rows without a valid token (verl's synthetic padding samples, which copy a real
+        # sample's uid) would join that group's statistics with reward 0; leave them out.
+        keep = mask.any(dim=1)
+        adv = torch.zeros_like(token_level_rewards)
+        if keep.any():
+            batch = CreditBatch(
+                response_mask=mask[keep],
+                rewards=rewards[keep].float(),
+                group_ids=groups[keep.cpu()].to(mask.device),
+            )
+            out = pipe(batch)
+            adv[keep] = out.advantages.to(adv.dtype)
+        # outcome estimators: returns = advantages, as in verl (no critic reads them)
+        return adv, adv
+
+    estimator.__name__ = f"tokencredit_{name}_estimator"
+    estimator.__qualname__ = estimator.__name__
+    return estimator
+
+
+# -- calibration inside the policy loss ----------------------------------------------------
+
+
+def calibrate(
+    pipeline: CreditPipeline,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    signals: Mapping[str, Optional[torch.Tensor]],
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Apply the calibrators of ``pipeline`` to given ``advantages`` [B, T] (pure, no state step).
+
+    The estimator already ran on the driver; here only the per-token reweighting happens, on the
+    micro-batch the loss sees. ``signals`` holds detached [B, T] tensors by CreditBatch name.
+    """
+    need = set()
+    for cal in pipeline.calibrators:
+        need |= cal.requires
+    missing = sorted(s for s in need if signals.get(s) is None)
+    if missing:
+        hints = "; ".join(f"{s}: {LOSS_SIGNAL_HINTS.get(s, UNSUPPORTED_SIGNALS.get(s, 'not available'))}" for s in missing)
+        raise CreditInputError(
+            f"credit spec '{pipeline.name}' needs {missing} in verl's policy loss, which did not get them ({hints})"
+        )
+    mask = response_mask.bool()
+    B = mask.shape[0]
+    # calibrators read no outcome; rewards and groups only complete the batch contract
+    batch = CreditBatch(
+        response_mask=mask,
+        rewards=torch.zeros(B, dtype=torch.float32, device=mask.device),
+        group_ids=torch.arange(B, device=mask.device),
+        **{k: v.detach().float() for k, v in signals.items() if v is not None and k in need},
+    )
+    adv = advantages.detach().float()
+    metrics: Dict[str, float] = {}
+    for cal in pipeline.calibrators:
+        res = cal.fn(batch, adv, pipeline.configs[cal.name], pipeline.states.get(cal.name))
+        adv = res.advantages
+        metrics.update(res.metrics)
+    adv = masked_fill_zero(adv, mask)
+    if not torch.isfinite(adv).all():
+        raise FloatingPointError(f"credit spec '{pipeline.name}' produced non-finite advantages")
+    return adv.to(advantages.dtype), metrics
+
+
+@dataclass
+class _LossContext:
+    settings: VerlCreditSettings
+    signals: Dict[str, torch.Tensor]
+
+
+_LOSS_CONTEXT: Optional[_LossContext] = None
+
+
+@contextlib.contextmanager
+def _loss_context(settings: VerlCreditSettings, signals: Dict[str, torch.Tensor]) -> Iterator[None]:
+    # verl's loss signature has no slot for extra signals; the wrapper hands them over for the
+    # duration of one call (the engine computes micro-batch losses one after another)
+    global _LOSS_CONTEXT
+    prev, _LOSS_CONTEXT = _LOSS_CONTEXT, _LossContext(settings, signals)
+    try:
+        yield
+    finally:
+        _LOSS_CONTEXT = prev
+
+
+def tokencredit_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+):
+    """verl policy loss ``tokencredit``: calibrate ``advantages``, then verl's ``base_loss_mode``."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    ctx = _LOSS_CONTEXT
+    settings = ctx.settings if ctx is not None else current_settings()
+    if settings.spec is None:
+        raise ValueError(
+            f"policy_loss.loss_mode={LOSS_MODE} needs a credit spec: set +tokencredit.spec=... with "
+            f"trainer.v1.trainer_mode={TRAINER_MODE}, or ${ENV_VAR}='{{\"spec\": \"grpo+surprisal\"}}'"
+        )
+    pipe = _pipeline("loss", settings.spec, settings)
+    signals = {"logprobs": log_prob, "old_logprobs": old_log_prob}
+    if ctx is not None:
+        signals.update(ctx.signals)
+    adv, credit_metrics = calibrate(pipe, response_mask, advantages, signals)
+    base = get_policy_loss_fn(settings.base_loss_mode)
+    loss, metrics = base(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=adv,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )
+    metrics = dict(metrics)
+    metrics.update({f"tokencredit/{k}": float(v) for k, v in credit_metrics.items()})
+    return loss, metrics
+
+
+def loss_signals(model_output: Mapping[str, Any], data: Any) -> Dict[str, torch.Tensor]:
+    """Entropy and reference log-probs of one engine micro-batch, as padded [B, T] tensors laid out
+    like the ``log_prob`` verl's ``ppo_loss`` hands to the policy loss."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    out: Dict[str, torch.Tensor] = {}
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        # the same un-padding ppo_loss applies to log_probs, so positions line up
+        out["entropy"] = no_padding_2_padding(entropy, data).detach()
+    if "ref_log_prob" in data.keys():
+        out["ref_logprobs"] = data.select("ref_log_prob").to_padded_tensor()["ref_log_prob"].detach()
+    return out
+
+
+def tokencredit_ppo_loss(config, model_output, data, dp_group=None, *, settings: VerlCreditSettings):
+    """verl's engine loss ``verl.workers.utils.losses.ppo_loss`` with entropy and reference
+    log-probs handed to the ``tokencredit`` policy loss. The trainer mode installs it with
+    ``set_loss_fn(partial(tokencredit_ppo_loss, config=actor_config, settings=...))``."""
+    from verl.workers.utils.losses import ppo_loss
+
+    with _loss_context(settings, loss_signals(model_output, data)):
+        return ppo_loss(config, model_output, data, dp_group)
+
+
+# -- registration --------------------------------------------------------------------------
+
+
+def _register() -> None:
+    check_verl_version()
+    from verl.trainer.ppo.core_algos import (
+        ADV_ESTIMATOR_REGISTRY,
+        POLICY_LOSS_REGISTRY,
+        register_adv_est,
+        register_policy_loss,
+    )
+
+    for verl_name, name in estimator_names().items():
+        if verl_name not in ADV_ESTIMATOR_REGISTRY:  # verl refuses a second, different function
+            register_adv_est(verl_name)(_make_estimator(name))
+    if LOSS_MODE not in POLICY_LOSS_REGISTRY:
+        register_policy_loss(LOSS_MODE)(tokencredit_policy_loss)
+
+
+try:
+    _register()
+except Exception:
+    # verl logs a failing plugin at debug level only; say it where it will be seen
+    log.error("tokencredit's verl plugin failed to register; tc_* estimators and loss_mode=%s are unavailable", LOSS_MODE, exc_info=True)
+    raise
+
+# The trainer mode imports verl's v1 trainer (about 3 s on a CPU, once per process). A failure
+# there must not take the estimators and the loss down with it, but it must be visible.
+try:
+    from . import verl_trainer  # noqa: F401,E402
+except Exception:
+    log.warning("tokencredit: trainer.v1.trainer_mode=%s is unavailable (import of verl's v1 trainer failed)", TRAINER_MODE, exc_info=True)
