@@ -1,0 +1,362 @@
+"""Seconds per training step: tokencredit's own trainer against TRL's GRPOTrainer. (A script, not a test.)
+
+Both run the same algorithm on the same model, prompts and settings:
+
+* model: the embedded SmolLM2-135M-Instruct (``tokencredit.models.resolve_model(EMBEDDED)``), or
+  with ``--tiny`` the 2-layer random Llama of ``tokencredit.testing`` (a quick check of the script);
+  fp32, ``--threads`` torch threads (and OMP/MKL threads) in both;
+* prompts: ``tokencredit.tasks.make_task(--task)``'s train split, in the order tokencredit's trainer
+  draws them (TRL gets them in that order with ``shuffle_dataset=False``), so step i of both sees
+  the same ``--prompts`` prompts; ``--generations`` samples each, at most ``--max-new-tokens`` new
+  tokens, temperature ``--temperature``, top-p 1, no top-k;
+* algorithm: GRPO advantages (group mean and std), PPO clipped ratio with clip 0.2 / 0.28, the
+  token-mean over the whole batch (tokencredit ``agg_mode="token-mean"``, TRL
+  ``loss_type="dapo"``, the same aggregation), no KL (``beta=0``), one optimizer step per
+  generation batch in one micro-batch (``per_device_train_batch_size = prompts x generations``,
+  no gradient accumulation), AdamW (0.9, 0.99), constant learning rate, grad-norm clip 1.0;
+* TRL at its fastest on a CPU: ``use_cpu=True``, ``bf16=False``, activation (gradient)
+  checkpointing off (TRL's default is on), no completion logging, no checkpoints, its default
+  fused AdamW, no reference model.
+
+Each trainer runs in its own subprocess (so neither inherits the other's allocator or thread
+state), one after the other. A step is timed from the end of the previous one (the first from the
+start of training) and includes generation, rewards, loss forward/backward and the optimizer; the
+first step is a warm-up and is left out of the mean. Process CPU time per step (all threads) is
+printed too. On a machine shared with other jobs, check the load (``uptime``) before trusting a
+ratio: with as many torch threads as cores and another busy process, every parallel region waits
+for a descheduled thread and a step became ~9x slower (2 threads on 2 shared cores: 80-100 s/step
+against 11-12 s with ``--threads 1``), which swamps any difference between the trainers. Sampling differs between the two (different
+RNG consumers), so completion lengths differ; the mean number of generated tokens per step is
+printed next to the times, and so is the time per 1000 generated tokens.
+
+    python benchmarks/step_vs_trl.py --tiny                    # seconds: does it run?
+    python benchmarks/step_vs_trl.py --prompts 2 --generations 4 --max-new-tokens 32 --steps 3
+    python benchmarks/step_vs_trl.py ... --profile             # where each trainer's time goes
+
+``--profile`` adds wall time per phase (generation, reward, forward passes, loss + backward +
+optimizer), by wrapping each trainer's own methods; it adds a little overhead to both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, List
+
+RESULT_TAG = "STEP_VS_TRL_RESULT "
+
+
+# -- shared setup ---------------------------------------------------------------------------
+def _load(args):
+    import torch
+
+    torch.manual_seed(args.seed)
+    if args.tiny:
+        from tokencredit.testing import tiny_model_and_tokenizer
+
+        model, tok = tiny_model_and_tokenizer(seed=args.seed, eos_bias=2.0)
+    else:
+        from tokencredit.models import EMBEDDED, resolve_model
+
+        model, tok = resolve_model(EMBEDDED, dtype=torch.float32)
+    model.float()
+    return model, tok
+
+
+def _task(args):
+    from tokencredit.tasks import make_task
+
+    return make_task(args.task, seed=args.seed)
+
+
+def _prompt_order(task, seed: int, n: int) -> List[str]:
+    """The ids of the first ``n`` examples tokencredit's Trainer draws (its ``_next_examples``:
+    one permutation per epoch, seeded ``seed * 1000 + epoch``). The ours-worker checks it."""
+    import numpy as np
+
+    out, epoch = [], 0
+    while len(out) < n:
+        order = np.random.default_rng(seed * 1000 + epoch).permutation(len(task.train))
+        out.extend(task.train[int(i)].id for i in order[: n - len(out)])
+        epoch += 1
+    return out
+
+
+class _Phases:
+    """Wall time per named phase, per step (``--profile``)."""
+
+    def __init__(self):
+        self.current: Dict[str, float] = {}
+        self.steps: List[Dict[str, float]] = []
+        self.labels: List[str] = []
+
+    def wrap(self, obj, name: str, label: str):
+        original = getattr(obj, name)
+        self.labels.append(label)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                self.current[label] = self.current.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    def end_step(self):
+        self.steps.append({k: self.current.get(k, 0.0) for k in self.labels})
+        self.current = {}
+
+
+def _emit(result: Dict[str, Any]) -> None:
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# -- tokencredit's trainer ----------------------------------------------------------------------
+def run_ours(args) -> Dict[str, Any]:
+    import torch
+
+    import tokencredit.trainer as tc_trainer
+    from tokencredit.config import LogConfig, LossConfig, OptimConfig, RolloutConfig, TrainConfig
+
+    model, tok = _load(args)
+    task = _task(args)
+    n = args.prompts * args.generations
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(
+            credit="grpo",
+            steps=args.steps,
+            seed=args.seed,
+            output_dir=out,
+            device="cpu",
+            threads=args.threads,
+            rollout=RolloutConfig(
+                prompts_per_step=args.prompts, samples_per_prompt=args.generations,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0,
+            ),
+            optim=OptimConfig(
+                lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99), warmup_steps=0, schedule="constant",
+                max_grad_norm=1.0, micro_batch_size=n, ppo_epochs=1,
+            ),
+            loss=LossConfig(policy_loss="ppo", agg_mode="token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0),
+            log=LogConfig(eval_at_start=False, save_rollouts=False, progress=False, tensorboard=False, wandb=False),
+        )
+        trainer = tc_trainer.Trainer(cfg, model=model, tokenizer=tok, task=task)
+        drawn: List[str] = []
+        draw = trainer._next_examples
+        trainer._next_examples = lambda k: (lambda ex: drawn.extend(e.id for e in ex) or ex)(draw(k))
+        phases = _Phases()
+        if args.profile:
+            phases.wrap(trainer.rollout, "generate", "generate")
+            phases.wrap(trainer, "_score", "reward")
+            phases.wrap(trainer, "_signals", "signal passes")
+            phases.wrap(trainer, "_update_policy", "loss fwd+bwd+optimizer")
+            phases.wrap(tc_trainer, "forward_response", "  of which: model forward (loss)")
+        times, cpu, tokens = [], [], []
+        for _ in range(args.steps):
+            t, c = time.perf_counter(), time.process_time()
+            metrics = trainer.train_step()
+            trainer.step += 1
+            times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+            tokens.append(metrics["response/len_mean"] * n)
+            phases.end_step()
+    expected = _prompt_order(task, args.seed, args.steps * args.prompts)
+    return {
+        "trainer": "tokencredit", "step_s": times, "cpu_s": cpu, "tokens": tokens, "phases": phases.steps,
+        "same_prompts": drawn == expected, "threads": torch.get_num_threads(),
+    }
+
+
+# -- TRL's GRPOTrainer ----------------------------------------------------------------------------
+def run_trl(args) -> Dict[str, Any]:
+    import datasets
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tokencredit.integrations.trl import checkpointing_args
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = _load(args)
+    task = _task(args)
+    by_id = {e.id: e for e in task.train}
+    order = _prompt_order(task, args.seed, args.steps * args.prompts)
+    ds = datasets.Dataset.from_list([{"prompt": list(by_id[i].messages), "example_id": i} for i in order])
+
+    def correct(completions, example_id, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(task.reward(t, by_id[i])) for t, i in zip(texts, example_id)]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.t, self.c, self.steps, self.cpu = None, None, [], []
+
+        def on_train_begin(self, *a, **k):
+            self.t, self.c = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, *a, **k):
+            now, c = time.perf_counter(), time.process_time()
+            self.steps.append(now - self.t)
+            self.cpu.append(c - self.c)
+            self.t, self.c = now, c
+            phases.end_step()
+
+    phases = _Phases()
+    timer = StepTimer()
+    n = args.prompts * args.generations
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, **checkpointing_args(False),
+            per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=args.generations,
+            max_completion_length=args.max_new_tokens, max_steps=args.steps, num_iterations=1,
+            temperature=args.temperature, top_p=1.0, top_k=0,
+            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0,
+            beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group",
+            mask_truncated_completions=False, shuffle_dataset=False, seed=args.seed,
+            report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, log_completions=False,
+            dataloader_num_workers=0, dataloader_pin_memory=False,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=correct, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer],
+        )
+        if args.profile:
+            phases.wrap(trainer, "_generate", "generate")
+            phases.wrap(trainer, "_calculate_rewards", "reward")
+            phases.wrap(trainer, "training_step", "loss fwd+bwd (training_step)")
+            phases.wrap(trainer, "_compute_loss", "  of which: model forward + loss")
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    tokens = [h["completions/mean_length"] * n for h in logs]
+    return {
+        "trainer": "trl", "step_s": timer.steps, "cpu_s": timer.cpu, "tokens": tokens, "phases": phases.steps,
+        "trl_step_time": [h.get("step_time") for h in logs], "same_prompts": True,
+        "threads": torch.get_num_threads(),
+    }
+
+
+# -- driver ------------------------------------------------------------------------------------
+def _worker_cmd(args, which: str) -> List[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", which]
+    for k in ("task", "prompts", "generations", "max_new_tokens", "steps", "threads", "lr", "temperature", "seed"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.tiny:
+        cmd.append("--tiny")
+    if args.profile:
+        cmd.append("--profile")
+    return cmd
+
+
+def _run_worker(args, which: str) -> Dict[str, Any]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(args.threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t = time.perf_counter()
+    proc = subprocess.run(_worker_cmd(args, which), env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"{which} worker failed (exit {proc.returncode})")
+    res = json.loads(lines[-1][len(RESULT_TAG):])
+    res["wall_s"] = time.perf_counter() - t
+    return res
+
+
+def _mean_after_warmup(xs: List[float]) -> float:
+    xs = xs[1:] if len(xs) > 1 else xs
+    return statistics.fmean(xs)
+
+
+def _summary(res: Dict[str, Any]) -> Dict[str, float]:
+    s, tok = res["step_s"], res["tokens"]
+    mean_s, mean_tok = _mean_after_warmup(s), _mean_after_warmup(tok)
+    return {
+        "s_per_step": mean_s, "cpu_s_per_step": _mean_after_warmup(res["cpu_s"]), "tokens_per_step": mean_tok,
+        "s_per_1k_tokens": 1000.0 * mean_s / max(mean_tok, 1.0),
+    }
+
+
+def _print_phases(res: Dict[str, Any]) -> None:
+    steps = res["phases"][1:] if len(res["phases"]) > 1 else res["phases"]
+    if not steps or not any(steps):
+        return
+    labels = list(steps[0])
+    total = _mean_after_warmup(res["step_s"])
+    print(f"  {res['trainer']} phases (mean s/step after warm-up; step {total:.2f} s):")
+    for k in labels:
+        v = statistics.fmean(st.get(k, 0.0) for st in steps)
+        print(f"    {k:<36} {v:7.2f} s  {100 * v / total:5.1f}%")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny random model instead of SmolLM2-135M (quick check)")
+    p.add_argument("--task", default="mul1", choices=("add1", "mul1"))
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    p.add_argument("--generations", type=int, default=4, help="samples per prompt (group size)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--steps", type=int, default=3, help="steps per trainer; the first is a warm-up")
+    p.add_argument("--threads", type=int, default=2, help="torch / OMP threads in both")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="time per phase as well")
+    p.add_argument("--only", choices=("ours", "trl"), help="run one trainer only")
+    p.add_argument("--json", help="also write the raw results here")
+    p.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps: expected >= 2 (the first step is a warm-up)")
+
+    if args.worker:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        _emit(run_ours(args) if args.worker == "ours" else run_trl(args))
+        return 0
+
+    model = "tiny random Llama" if args.tiny else "SmolLM2-135M-Instruct (embedded)"
+    print(
+        f"{model}, fp32, {args.threads} threads, task {args.task}: {args.prompts} prompts x {args.generations} "
+        f"generations, <= {args.max_new_tokens} new tokens, {args.steps} steps (first = warm-up)",
+        flush=True,
+    )
+    results = {}
+    for which in ("ours", "trl"):
+        if args.only and args.only != which:
+            continue
+        results[which] = _run_worker(args, which)
+        r, s = results[which], _summary(results[which])
+        print(
+            f"  {r['trainer']:<12} {s['s_per_step']:7.2f} s/step, CPU {s['cpu_s_per_step']:.2f} s/step "
+            f"({s['tokens_per_step']:.0f} generated tokens/step, "
+            f"{s['s_per_1k_tokens']:.2f} s per 1k tokens; steps {', '.join(f'{x:.2f}' for x in r['step_s'])} s; "
+            f"worker {r['wall_s']:.0f} s, {r['threads']} threads)",
+            flush=True,
+        )
+        if not r["same_prompts"]:
+            print("  WARNING: tokencredit drew other prompts than the order given to TRL", flush=True)
+        if args.profile:
+            _print_phases(r)
+    if len(results) == 2:
+        a, b = _summary(results["ours"]), _summary(results["trl"])
+        print(f"ratio ours / TRL: {a['s_per_step'] / b['s_per_step']:.2f}x per step, "
+              f"{a['s_per_1k_tokens'] / b['s_per_1k_tokens']:.2f}x per generated token (target <= 0.8x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
