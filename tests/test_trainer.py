@@ -79,6 +79,26 @@ def test_full_loop_every_family(tmp_path, credit, kw):
         assert changed == adv_nonzero
 
 
+def test_saved_rollouts_carry_every_signal_and_do_not_change_credit(tmp_path):
+    """An eval step's batch is saved with all signals (for inspect); the spec's credit is unchanged."""
+    runs = {}
+    for save in (True, False):
+        d = tmp_path / str(save)
+        d.mkdir()
+        cfg = _cfg(d, "grpo", steps=1, eval_every=1, lora=True)
+        cfg.log.save_rollouts = save
+        tr = _trainer(cfg)
+        tr.train()
+        runs[save] = (tr, _metrics(d / "run" / "metrics.jsonl"))
+    saved = torch.load(next((tmp_path / "True" / "run" / "eval").glob("rollouts_step_*.pt")), weights_only=False)
+    assert {"entropy", "mode_prob", "oracle_logprobs", "ref_logprobs", "hidden_residual"} <= set(saved["signals"])
+    torch.testing.assert_close(runs[True][0]._last_batch["credit"].advantages, runs[False][0]._last_batch["credit"].advantages)
+    # the log-probs come out of a fused pass that also computes entropy: equal to float32 rounding
+    assert runs[True][1][0]["loss/policy"] == pytest.approx(runs[False][1][0]["loss/policy"], abs=1e-6)
+    assert "hidden_residual" not in runs[False][0]._last_batch["credit_batch"].to_dict() or \
+        runs[False][0]._last_batch["credit_batch"].hidden_residual is None
+
+
 def test_arca_without_lora_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="model.lora"):
         _trainer(_cfg(tmp_path, "arca"))

@@ -301,6 +301,19 @@ class Trainer:
             res["values"] = self._values(res["hidden"])
         return res
 
+    def _saves_rollouts_this_step(self) -> bool:
+        nxt = self.step + 1
+        return self.cfg.log.save_rollouts and (nxt % self.cfg.log.eval_every == 0 or nxt == self.cfg.steps)
+
+    def _inspect_signals(self) -> frozenset:
+        """Every signal this trainer can compute, beyond the spec's (for the saved rollouts)."""
+        extra = {"entropy", "mode_prob", "oracle_logprobs"}
+        if self.lora:  # the adapter-off pass is the reference and gives ARCA's residual
+            extra |= {"ref_logprobs", "hidden_residual"}
+        elif self.reference is not None:
+            extra.add("ref_logprobs")
+        return frozenset(extra)
+
     def _values(self, hidden: torch.Tensor) -> torch.Tensor:
         v = self.critic(hidden).squeeze(-1)
         return torch.sigmoid(v) if self._is_pact() else v
@@ -348,11 +361,14 @@ class Trainer:
             "reward/shaped_mean": float(batch["rewards"].mean()),
             "groups/count": float(N // cfg.rollout.samples_per_prompt),
         })
-        if "oracle_logprobs" in self.need:
+        # the batch of an eval step is saved for `tokencredit inspect`: compute every signal the
+        # model can give for it (not only the spec's), so that any method can be replayed on it
+        need = self.need | self._inspect_signals() if self._saves_rollouts_this_step() else self.need
+        if "oracle_logprobs" in need:
             batch.update(self._oracle_inputs(batch["examples"], batch["prompt_index"], batch["response_ids"], batch["response_mask"]))
 
-        # signals, then credit
-        sig = self._signals(batch, self.need) if self.need else {}
+        # signals, then credit (a spec reads only the fields it declares)
+        sig = self._signals(batch, need) if need else {}
         old_logprobs = sig.get("logprobs", batch["behaviour_logprobs"])
         fields = {k: sig[k] for k in ("entropy", "mode_prob", "ref_logprobs", "hidden_residual", "oracle_logprobs", "values") if k in sig}
         cb = CreditBatch(
