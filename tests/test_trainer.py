@@ -99,6 +99,19 @@ def test_saved_rollouts_carry_every_signal_and_do_not_change_credit(tmp_path):
         runs[False][0]._last_batch["credit_batch"].hidden_residual is None
 
 
+def test_dapo_dynamic_sampling_fills_the_batch_and_no_further(tmp_path):
+    cfg = _cfg(tmp_path, "dapo", steps=4)
+    cfg.rollout.prompts_per_step = 3
+    tr = _trainer(cfg)
+    tr.train()
+    m = _metrics(tmp_path / "run" / "metrics.jsonl")
+    rounds = [r["rollout/rounds"] for r in m]
+    assert max(rounds) > 1  # regeneration happened, so the cap was exercised
+    for r in m:
+        if not r.get("update/skipped"):
+            assert 1 <= r["groups/count"] <= 3
+
+
 def test_arca_without_lora_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="model.lora"):
         _trainer(_cfg(tmp_path, "arca"))

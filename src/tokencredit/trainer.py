@@ -236,8 +236,16 @@ class Trainer:
                 from .losses import dynamic_sampling_filter
 
                 keep = dynamic_sampling_filter(sc["rewards"], rb.prompt_index)
+                # DAPO fills the batch to its size and no further: groups past prompts_per_step
+                # are dropped, so every step trains on the same number of groups as the others
+                for g in rb.prompt_index[keep].unique().tolist():
+                    if n_groups >= r.prompts_per_step:
+                        keep &= rb.prompt_index != g
+                    else:
+                        n_groups += 1
+            else:
+                n_groups += len(examples)
             kept.append({"rb": rb, "examples": examples, "keep": keep, **sc})
-            n_groups += int(keep.sum()) // r.samples_per_prompt
             if not d.dynamic_sampling or n_groups >= r.prompts_per_step or rounds >= d.max_rounds:
                 break
         return {"parts": kept, "rounds": rounds, "failed": failed, "all_correct": torch.cat(all_rewards)}
