@@ -112,6 +112,24 @@ def test_dapo_dynamic_sampling_fills_the_batch_and_no_further(tmp_path):
             assert 1 <= r["groups/count"] <= 3
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_micro_batching_does_not_change_the_gradient(tmp_path, agg):
+    """Gradient accumulation over micro-batches equals the loss of the whole batch at once."""
+    norms = []
+    for mb in (1, 4):
+        d = tmp_path / f"mb{mb}"
+        d.mkdir()
+        cfg = _cfg(d, "grpo", steps=1)
+        cfg.optim.micro_batch_size = mb
+        cfg.loss.agg_mode = agg
+        cfg.rollout.samples_per_prompt = 4  # so that some group carries signal
+        tr = _trainer(cfg)
+        tr.train()
+        norms.append(_metrics(d / "run" / "metrics.jsonl")[0]["grad_norm"])
+    assert norms[0] > 0
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+
+
 def test_arca_without_lora_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="model.lora"):
         _trainer(_cfg(tmp_path, "arca"))
@@ -189,6 +207,45 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(tr, "train_step", step)
     tr.train()
     assert (tmp_path / "run" / "checkpoints" / "step_00000001" / "state.pt").exists()
+
+
+def test_first_ctrl_c_finishes_the_step_then_checkpoints(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    tr = _trainer(_cfg(tmp_path, "grpo", steps=5, save_every=100))
+    real, calls = tr._collect, {"n": 0}
+
+    def collect():
+        out = real()
+        calls["n"] += 1
+        if calls["n"] == 2:  # mid-step 2: the rollout is done, the update is not
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(tr, "_collect", collect)
+    tr.train()
+    assert tr.step == 2
+    assert [r["step"] for r in _metrics(tmp_path / "run" / "metrics.jsonl")] == [1.0, 2.0]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "state.pt").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+def test_interrupt_half_way_through_a_step_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    tr = _trainer(_cfg(tmp_path, "grpo", steps=5, save_every=1))
+    real, calls = tr._update_policy, {"n": 0}
+
+    def update(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # step 2 has consumed data and RNG: its state is half-done
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(tr, "_update_policy", update)
+    tr.train()
+    cks = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert cks == ["step_00000001"]
+    assert tr.step == 1
 
 
 @pytest.mark.slow

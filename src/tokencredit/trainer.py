@@ -16,6 +16,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -161,6 +163,7 @@ class Trainer:
         return np.random.default_rng(self.cfg.seed * 1000 + epoch).permutation(len(self.task.train))
 
     def _next_examples(self, n: int):
+        self._dirty = True  # the first change a step makes to the run's state
         out = []
         while len(out) < n:
             if self.offset >= len(self._order):
@@ -235,7 +238,8 @@ class Trainer:
             if d.dynamic_sampling:
                 from .losses import dynamic_sampling_filter
 
-                keep = dynamic_sampling_filter(sc["rewards"], rb.prompt_index)
+                # on accuracy, not the overlong-shaped reward (DAPO; verl's filter_groups.metric=acc)
+                keep = dynamic_sampling_filter(sc["correct"], rb.prompt_index)
                 # DAPO fills the batch to its size and no further: groups past prompts_per_step
                 # are dropped, so every step trains on the same number of groups as the others
                 for g in rb.prompt_index[keep].unique().tolist():
@@ -437,7 +441,14 @@ class Trainer:
                     loss = loss + cfg.loss.kl_coef * kl
                     lm = {**lm, "kl": float(kl.detach())}
                 _check_finite(loss.detach(), "policy loss", self.step + 1)
-                scale = (float((m.sum(1) > 0).sum()) / n_rows) if seq_mode else (float(m.sum()) / total_tokens)
+                # each micro-batch's loss is aggregated on its own; this weight makes their sum the
+                # whole batch's loss (token-sum is already additive)
+                if cfg.loss.agg_mode == "token-sum":
+                    scale = 1.0
+                elif seq_mode:
+                    scale = float((m.sum(1) > 0).sum()) / n_rows
+                else:
+                    scale = float(m.sum()) / total_tokens
                 (loss * scale).backward()
                 for k, v in lm.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * scale / cfg.optim.ppo_epochs
@@ -615,6 +626,14 @@ class Trainer:
         self._open_logs()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.log.progress, desc=f"train {self.credit.name}")
         last: Dict[str, float] = {}
+        # Ctrl-C: the first one lets the running step finish, then a checkpoint is written and the
+        # run stops; a second one (or one between steps) stops at once. A step that was cut off
+        # half-way has already changed the data position, RNG and maybe the weights, so it is
+        # never checkpointed: the last good checkpoint stays as it is.
+        self._dirty, self._stop_requested = False, False
+        prev_handler = None
+        if threading.current_thread() is threading.main_thread():
+            prev_handler = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             if self.step == 0 and cfg.log.eval_at_start and not cfg.resume:
                 self._log({"step": 0.0, **self.evaluate()})
@@ -632,15 +651,32 @@ class Trainer:
                     tok_s=f"{metrics.get('time/tokens_per_s', 0):.0f}",
                     acc=f"{metrics.get('eval/greedy_acc', float('nan')):.2f}",
                 )
-                if self.step % cfg.save_every == 0 or self.step == cfg.steps:
-                    self.save()
+                self._dirty = False
+                if self.step % cfg.save_every == 0 or self.step == cfg.steps or self._stop_requested:
+                    path = self.save()
+                if self._stop_requested:
+                    print(f"\nstopped after step {self.step}: checkpoint written to {path}; continue with --resume")
+                    break
         except KeyboardInterrupt:
-            path = self.save()
-            print(f"\ninterrupted at step {self.step}: checkpoint written to {path}; continue with --resume")
+            if self._dirty:
+                last_ck = latest_checkpoint(self.out / "checkpoints")
+                print(f"\ninterrupted during step {self.step + 1}: not checkpointed (half-done); "
+                      f"the last checkpoint ({last_ck}) is untouched; continue with --resume")
+            else:
+                path = self.save()
+                print(f"\ninterrupted at step {self.step}: checkpoint written to {path}; continue with --resume")
         finally:
+            if prev_handler is not None:
+                signal.signal(signal.SIGINT, prev_handler)
             bar.close()
             self._metrics_file.close()
         return last
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._stop_requested or not self._dirty:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        print("\nCtrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to stop now)", flush=True)
 
     def export(self, path: Optional[str] = None) -> Path:
         """Save the final model (or adapter) and tokenizer in Hugging Face format."""
