@@ -349,3 +349,16 @@ def test_embedded_model_converts_once_then_loads_from_cache(tmp_path, capsys, mo
         [[{"role": "user", "content": "What is 2 + 3? "}]], num_samples=1, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0
     )
     assert rb.response_ids.shape[1] <= 8 and rb.texts[0].strip()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prompt_prefill_changes_nothing(temperature):
+    """Running each prompt once before generate (the default) gives the samples generate alone gives."""
+    model, tok = tiny_model_and_tokenizer(seed=3, eos_bias=2.0)
+    args = dict(num_samples=3, max_new_tokens=8, temperature=temperature, top_p=1.0, seed=5)
+    for max_batch_size in (None, 4):  # 4: chunks that split a prompt's group
+        shared = HFRollout(model, tok, max_batch_size=max_batch_size).generate(PROMPTS, **args)
+        plain = HFRollout(model, tok, max_batch_size=max_batch_size, share_prompts=False).generate(PROMPTS, **args)
+        torch.testing.assert_close(shared.response_ids, plain.response_ids, atol=0, rtol=0)
+        torch.testing.assert_close(shared.behaviour_logprobs, plain.behaviour_logprobs, atol=1e-5, rtol=0)
+        assert shared.texts == plain.texts

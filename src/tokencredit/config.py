@@ -72,6 +72,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8  # responses per forward/backward; gradients accumulate over the batch
     ppo_epochs: int = 1
+    # torch's fused AdamW kernel (one pass over each parameter instead of a dozen foreach
+    # kernels: 0.16 s against 0.67 s per step for SmolLM2-135M on one CPU thread); the update is
+    # the same algorithm. Turned off by hand, or automatically on devices without the kernel.
+    fused_adamw: bool = True
 
 
 @dataclass

@@ -132,11 +132,13 @@ class HFRollout:
 
     ``max_batch_size`` bounds the rows per ``generate`` call (the returned logits take
     rows x new tokens x vocab floats); ``None`` generates all rows at once.
+    ``share_prompts`` runs the K copies of a prompt through the model once before generation
+    (see :meth:`_shared_prefix`); False leaves generation entirely to ``generate``.
     Sampling uses the global torch RNG, or a private stream when ``seed`` is given (the
     global RNG is then left untouched), so the same seed gives the same samples on CPU.
     """
 
-    def __init__(self, model, tokenizer, *, max_batch_size: Optional[int] = None):
+    def __init__(self, model, tokenizer, *, max_batch_size: Optional[int] = None, share_prompts: bool = True):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1 or None, got {max_batch_size}")
         if tokenizer.pad_token_id is None:
@@ -146,6 +148,7 @@ class HFRollout:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.share_prompts = share_prompts
 
     # -- helpers ---------------------------------------------------------------------------
     def _stop_ids(self) -> List[int]:
@@ -179,6 +182,25 @@ class HFRollout:
             yield
         finally:
             hf.generation_config = saved
+
+    def _shared_prefix(self, enc, prompt_index: torch.Tensor, device) -> Dict[str, object]:
+        """``past_key_values`` for generate: every distinct prompt but its last token, run once.
+
+        ``generate`` would prefill each of the K copies of a prompt on its own; the states are the
+        same for all of them, so the prompt is run once and its KV cache indexed out to its rows
+        (generate then runs the last prompt token and decodes as usual: same logits up to float
+        rounding). Nothing is shared when every row has its own prompt.
+        """
+        uniq, inverse = torch.unique(prompt_index, return_inverse=True)
+        P = int(enc["input_ids"].shape[1])
+        if len(uniq) == len(prompt_index) or P < 2:
+            return {}
+        ids = enc["input_ids"][uniq, : P - 1].to(device)
+        att = enc["attention_mask"][uniq, : P - 1].to(device)
+        pos = (att.long().cumsum(-1) - 1).clamp_min(0)
+        cache = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_select_indices(inverse.to(device))
+        return {"past_key_values": cache}
 
     def _check(self, prompts, num_samples, max_new_tokens, temperature, top_p) -> None:
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
@@ -250,9 +272,10 @@ class HFRollout:
                 for s in range(0, N, step):
                     ids = prompt_ids[s : s + step].to(device)
                     att = prompt_mask[s : s + step].to(device)
+                    prefix = self._shared_prefix(enc, prompt_index[s : s + step], device) if self.share_prompts else {}
                     out = self.model.generate(
                         input_ids=ids, attention_mask=att, generation_config=gen_cfg,
-                        logits_processor=[_finite_check_processor()],
+                        logits_processor=[_finite_check_processor()], **prefix,
                     )
                     resp = out.sequences[:, P:].cpu()
                     lp = torch.zeros(resp.shape, dtype=torch.float32)

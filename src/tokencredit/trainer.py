@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .batch import CreditBatch
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import TrainConfig, config_to_dict, parse_credit_args
+from .forward import forward_response
 from .spec import CreditPipeline
 
 __all__ = ["Trainer", "NonFiniteError", "forward_response"]
@@ -46,21 +47,6 @@ class NonFiniteError(FloatingPointError):
 def _decoder_and_head(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_decoder(), base.get_output_embeddings()
-
-
-def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidden: bool = False):
-    """Final hidden states and logits at the positions that predict response tokens.
-
-    Returns (h [N, T+1, D] states before each response token and after the last one,
-    logits [N, T, V]). Prompts are left-padded, so positions come from the attention mask
-    (as in generation), not from arange.
-    """
-    decoder, head = _decoder_and_head(model)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    h = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    h = h[:, prompt_len - 1 :]  # [N, T+1, D]
-    logits = head(h[:, :-1])
-    return (h if hidden else None), logits
 
 
 def _check_finite(x: torch.Tensor, what: str, step: int, mask: Optional[torch.Tensor] = None) -> None:
@@ -136,7 +122,10 @@ class Trainer:
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        fused = o.fused_adamw and self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in params)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, **({"fused": True} if fused else {})
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(o.schedule, o.warmup_steps, cfg.steps))
 
         from .losses import get_policy_loss

@@ -1,0 +1,116 @@
+"""forward_response: the shared-prompt pass equals the plain pass (values and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokencredit.forward import distinct_rows, forward_response
+from tokencredit.testing import tiny_model_and_tokenizer
+
+P, T = 6, 5
+
+
+def _batch(pad_id: int):
+    """Six rows: two prompts x three responses; prompt 0 left-padded, one response ends early."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 20, (6, P + T), generator=g)
+    att = torch.ones_like(ids)
+    ids[1:3, :P] = ids[0, :P]
+    ids[4:6, :P] = ids[3, :P]
+    ids[0:3, :2] = pad_id
+    att[0:3, :2] = 0
+    att[1, P + 3 :] = 0  # an EOS at response token 2: the rest is padding
+    return ids, att
+
+
+def _run(model, ids, att, *, share, hidden):
+    model.zero_grad(set_to_none=True)
+    h, logits = forward_response(model, ids, att, P, hidden=hidden, share_prompts=share)
+    m = att[:, P:].float()
+    loss = (logits.log_softmax(-1)[..., 5] * m).sum()
+    if hidden:
+        loss = loss + (h[:, :-1].pow(2).sum(-1) * m).sum() + h[:, 0].sum()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return (None if h is None else h.detach()), logits.detach(), grads
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_shared_prompt_pass_equals_plain_pass(hidden):
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    ids, att = _batch(tok.pad_token_id)
+    h1, l1, g1 = _run(model, ids, att, share=False, hidden=hidden)
+    h2, l2, g2 = _run(model, ids, att, share=True, hidden=hidden)
+    assert l2.shape == (6, T, model.config.vocab_size)
+    m = att[:, P:].bool()
+    torch.testing.assert_close(l2[m], l1[m], atol=1e-5, rtol=0)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    if hidden:
+        assert h2.shape == (6, T + 1, model.config.hidden_size)
+        hm = torch.cat([torch.ones(6, 1, dtype=torch.bool), m], 1)
+        torch.testing.assert_close(h2[hm], h1[hm], atol=1e-5, rtol=0)
+
+
+def test_logits_are_the_models_own_at_response_positions():
+    model, tok = tiny_model_and_tokenizer(seed=1)
+    ids, att = _batch(tok.pad_token_id)
+    pos = (att.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, P - 1 : P - 1 + T]
+        for share in (False, True):
+            _, logits = forward_response(model, ids, att, P, share_prompts=share)
+            m = att[:, P:].bool()
+            torch.testing.assert_close(logits[m], ref[m], atol=1e-5, rtol=0)
+
+
+def test_post_head_transforms_are_kept():
+    """Gemma-2 soft-caps its logits after the head: a decoder+head shortcut would lose that."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.1, pad_token_id=0,
+    )
+    model = Gemma2ForCausalLM(cfg).eval()
+    ids, att = _batch(0)
+    with torch.no_grad():
+        for share in (False, True):
+            _, logits = forward_response(model, ids, att, P, share_prompts=share)
+            m = att[:, P:].bool()
+            assert logits[m].abs().max() <= 0.1 + 1e-6  # capped at final_logit_softcapping
+            pos = (att.cumsum(-1) - 1).clamp_min(0)
+            ref = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, P - 1 : P - 1 + T]
+            torch.testing.assert_close(logits[m], ref[m], atol=1e-5, rtol=0)
+
+
+def test_one_token_responses_and_distinct_prompts():
+    model, tok = tiny_model_and_tokenizer(seed=2)
+    ids, att = _batch(tok.pad_token_id)
+    short, short_att = ids[:, : P + 1], att[:, : P + 1]
+    with torch.no_grad():
+        h, l1 = forward_response(model, short, short_att, P, hidden=True)
+        _, l0 = forward_response(model, short, short_att, P, share_prompts=False)
+    assert l1.shape == (6, 1, model.config.vocab_size) and h.shape == (6, 2, model.config.hidden_size)
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=0)
+    assert distinct_rows(ids[[0, 3], :P], att[[0, 3], :P]) is None  # nothing repeats: no sharing
+
+
+def test_distinct_rows_maps_every_row_to_its_first_copy():
+    ids = torch.tensor([[1, 2], [3, 4], [1, 2], [3, 4], [1, 2]])
+    mask = torch.ones_like(ids)
+    mask[4, 0] = 0  # same ids, other mask: a different prompt
+    first, inverse = distinct_rows(ids, mask)
+    assert len(first) == 3
+    torch.testing.assert_close(ids[first][inverse], ids)
+    torch.testing.assert_close(mask[first][inverse], mask)
+    assert sorted(first.tolist()) == [0, 1, 4]
+
+
+def test_bad_prompt_len_is_named():
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    ids, att = _batch(tok.pad_token_id)
+    with pytest.raises(ValueError, match="prompt_len: expected 1 <= prompt_len < 11"):
+        forward_response(model, ids, att, P + T)
