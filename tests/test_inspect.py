@@ -413,3 +413,31 @@ def write_page_from(saved, tmp_path: Path) -> Path:
     p = tmp_path / "rollouts_step_00000007.pt"
     torch.save(saved, p)
     return write_page(p, tmp_path / "page.html")
+
+
+def test_replay_uses_the_runs_configs_and_controller_state(tmp_path):
+    """A stateful method with non-default settings: the replay equals the credit the run trained on."""
+    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.testing import tiny_model_and_tokenizer
+    from tokencredit.trainer import Trainer
+
+    cfg = TrainConfig(
+        credit="stare", steps=3, output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"),
+        credit_args=("stare.variant=C2", "stare.adaptive=true", "stare.a=0.2", "stare.P=0.5", "stare.H_target=10.0", "stare.w_max=2.0"),
+        task=TaskConfig(name="add1", n_train=8, n_eval=1, reward_fn="test_inspect:crc_reward"),
+        rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=6, temperature=1.0),
+        optim=OptimConfig(lr=1e-3, micro_batch_size=8),
+        log=LogConfig(eval_every=3, eval_samples=1, progress=False),
+    )
+    model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=1.0)
+    tr = Trainer(cfg, model=model, tokenizer=tok)
+    initial = tr.credit.state_dict()
+    tr.train()
+    [pt] = sorted((tmp_path / "run" / "eval").glob("rollouts_step_*.pt"))
+    saved = load_rollouts(pt)
+    assert saved["credit_configs"]["stare"]["variant"] == "C2" and saved["credit_configs"]["stare"]["P"] == 0.5
+    assert saved["credit_state"] != initial  # the controller moved during the first two steps
+    view = replay(saved, ["stare"], include_saved=False).views[0]
+    torch.testing.assert_close(view.advantages, saved["advantages"].float(), atol=1e-6, rtol=0)
+    fresh = replay({**saved, "credit_state": {}, "credit_configs": {}}, ["stare"], include_saved=False).views[0]
+    assert not torch.allclose(fresh.advantages, saved["advantages"].float())  # so the check above can fail

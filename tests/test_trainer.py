@@ -268,3 +268,58 @@ def test_smoke_on_the_real_embedded_model(tmp_path):
     m = _metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in m] == [0.0, 1.0]  # the baseline eval, then the step
     assert "taco/weight_mean" in m[1] and "eval/greedy_acc" in m[1] and "eval/greedy_acc" in m[0]
+
+
+def test_policy_loss_gets_its_own_aggregation_unless_one_is_set():
+    from tokencredit.config import LossConfig
+    from tokencredit.losses import get_policy_loss
+    from tokencredit.trainer import _policy_loss_config
+
+    sapo, ppo = get_policy_loss("sapo"), get_policy_loss("ppo")
+    assert _policy_loss_config(sapo, LossConfig()).agg_mode == "seq-mean-token-mean"
+    assert _policy_loss_config(ppo, LossConfig()).agg_mode == "token-mean"
+    lc = LossConfig(agg_mode="seq-mean-token-sum-norm", norm_constant=64.0)
+    got = _policy_loss_config(sapo, lc)
+    assert (got.agg_mode, got.norm_constant) == ("seq-mean-token-sum-norm", 64.0)
+    with pytest.raises(ValueError, match=r"loss.dual_clip: policy loss 'sapo' has no such setting.*got 3.0"):
+        _policy_loss_config(sapo, LossConfig(dual_clip=3.0))
+    with pytest.raises(ValueError, match="norm_constant"):
+        _policy_loss_config(ppo, LossConfig(norm_constant=64.0))  # only for seq-mean-token-sum-norm
+
+
+def test_norm_constant_scales_the_loss_and_survives_micro_batching(tmp_path):
+    out = {}
+    for mb, c in ((1, 10.0), (4, 10.0), (4, 20.0)):
+        d = tmp_path / f"mb{mb}c{c}"
+        d.mkdir()
+        cfg = _cfg(d, "grpo", steps=1)
+        cfg.optim.micro_batch_size = mb
+        cfg.loss.agg_mode, cfg.loss.norm_constant = "seq-mean-token-sum-norm", c
+        cfg.rollout.samples_per_prompt = 4
+        tr = _trainer(cfg)
+        tr.train()
+        out[(mb, c)] = _metrics(d / "run" / "metrics.jsonl")[0]
+    assert out[(1, 10.0)]["grad_norm"] > 0
+    assert out[(1, 10.0)]["grad_norm"] == pytest.approx(out[(4, 10.0)]["grad_norm"], rel=1e-4)
+    # loss = sum over tokens / (rows * C): doubling C halves it (same rollouts: same seed)
+    assert out[(4, 20.0)]["loss/policy"] == pytest.approx(out[(4, 10.0)]["loss/policy"] / 2, rel=1e-4)
+
+
+def test_a_named_reference_is_used_under_lora_too(tmp_path):
+    """Under LoRA the adapter-off pass is the default reference; a reference given explicitly wins."""
+    from tokencredit.forward import forward_response
+    from tokencredit.signals import token_signals
+
+    cfg = _cfg(tmp_path, "divergence", steps=1, lora=True)
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    ref, _ = tiny_model_and_tokenizer(seed=7)
+    task = make_task(cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval, reward_fn=cfg.task.reward_fn)
+    tr = Trainer(cfg, model=model, tokenizer=tok, task=task, reference=ref)
+    assert tr.reference is not None
+    tr.train()
+    b, cb = tr._last_batch["batch"], tr._last_batch["credit_batch"]
+    with torch.no_grad():
+        _, logits = forward_response(ref, b["input_ids"], b["attention_mask"], b["prompt_len"])
+    want = token_signals(logits, b["response_ids"], temperature=1.0, want=("logprobs",))["logprobs"]
+    m = b["response_mask"].bool()
+    torch.testing.assert_close(cb.ref_logprobs[m], want[m], atol=1e-5, rtol=0)

@@ -81,7 +81,10 @@ class OptimConfig:
 @dataclass
 class LossConfig:
     policy_loss: str = "ppo"  # ppo | sapo (tokencredit.losses registry)
-    agg_mode: str = "token-mean"
+    # None = the policy loss's own default: token-mean for ppo (verl's default, DAPO's token-level
+    # loss), seq-mean-token-mean for sapo (as verl hard-codes it)
+    agg_mode: Optional[str] = None
+    norm_constant: Optional[float] = None  # C of seq-mean-token-sum-norm (Dr. GRPO: the generation budget); None = padded length
     clip_low: float = 0.2
     clip_high: float = 0.28  # DAPO clip-higher, also TACO's and STARE's recipe
     dual_clip: Optional[float] = None

@@ -13,9 +13,10 @@ tokens coloured by advantage (red negative, blue positive), one button per metho
 with the token's text, log-prob, entropy, weight and advantage, and per-method weight Gini and
 effective-token ratio (:func:`~tokencredit.diagnostics.credit_diagnostics`).
 
-Replays start from a fresh method state (STARE's controller at its initial value) and default
-method configs unless ``credit_args`` are given; the run's own saved credit is shown too, as
-"(as trained)".
+Replays use the run's own method configs and state (STARE's controller where the run left it),
+as saved with the rollouts, for every method the run used; other methods start from their
+defaults and a fresh state. ``credit_args`` override either. The run's own saved credit is shown
+too, as "(as trained)".
 """
 
 from __future__ import annotations
@@ -183,11 +184,17 @@ def parse_methods(value: Any, field_name: str = "--methods") -> List[str]:
     return out
 
 
-def _credit_configs(credit_args: Sequence[str], spec_methods: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+def _credit_configs(credit_args: Sequence[str], spec_methods: Sequence[str], saved_configs=None) -> Dict[str, Dict[str, Any]]:
+    """The run's saved config of each method (if any), overridden key by key by ``credit_args``."""
     from .config import parse_credit_args
 
     parsed = parse_credit_args(credit_args)
-    return {k: v for k, v in parsed.items() if k in spec_methods}
+    out: Dict[str, Dict[str, Any]] = {}
+    for name in spec_methods:
+        merged = {**dict((saved_configs or {}).get(name) or {}), **parsed.get(name, {})}
+        if merged:
+            out[name] = merged
+    return out
 
 
 def replay(saved: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_args: Sequence[str] = (), include_saved: bool = True) -> Inspection:
@@ -212,7 +219,10 @@ def replay(saved: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, cred
         views.append(MethodView(f"{name} (as trained)", name, "saved", out.advantages, out.token_weights, credit_diagnostics(batch, out)))
     for spec in specs:
         try:
-            pipe = CreditPipeline(spec, _credit_configs(credit_args, [m.name for m in _methods(spec)]))
+            pipe = CreditPipeline(spec, _credit_configs(credit_args, [m.name for m in _methods(spec)], saved.get("credit_configs")))
+            for name, st in (saved.get("credit_state") or {}).items():
+                if name in pipe.states:
+                    pipe.states[name].load_state_dict(st)
         except (KeyError, ValueError, TypeError) as e:
             skipped.append(Skipped(spec, error=str(e.args[0] if e.args else e)))
             continue

@@ -101,9 +101,11 @@ class Trainer:
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.lora = is_lora(self.model)
-        # reference policy: the adapter-off pass under LoRA (shared with ARCA), else a frozen copy
+        # reference policy: a model named (or passed) as the reference; else under LoRA the
+        # adapter-off pass (the initial policy, shared with ARCA's residual); else a frozen copy
         self.reference = None
-        if "ref_logprobs" in self.need and not self.lora:
+        explicit = reference is not None or cfg.model.reference not in (None, "self")
+        if "ref_logprobs" in self.need and (explicit or not self.lora):
             if reference is None:
                 reference = (
                     load_frozen(cfg.model.reference)[0]
@@ -275,11 +277,12 @@ class Trainer:
                 if need_hidden:
                     hiddens.append(h)
                 if "ref_logprobs" in need or "hidden_residual" in need:
-                    if self.lora:
+                    rl = None
+                    if self.lora and ("hidden_residual" in need or self.reference is None):
                         with adapter_disabled(self.model):
                             hb, rl = forward_response(self.model, ids, att, P, hidden="hidden_residual" in need)
-                    else:
-                        hb, rl = forward_response(self.reference, ids, att, P)
+                    if "ref_logprobs" in need and self.reference is not None:
+                        _, rl = forward_response(self.reference, ids, att, P)
                     if "ref_logprobs" in need:
                         out.setdefault("ref_logprobs", []).append(
                             token_signals(rl, resp, temperature=self._temperature(), want=("logprobs",))["logprobs"]
@@ -309,9 +312,9 @@ class Trainer:
     def _inspect_signals(self) -> frozenset:
         """Every signal this trainer can compute, beyond the spec's (for the saved rollouts)."""
         extra = {"entropy", "mode_prob", "oracle_logprobs"}
-        if self.lora:  # the adapter-off pass is the reference and gives ARCA's residual
+        if self.lora:  # the adapter-off pass is a reference and gives ARCA's residual
             extra |= {"ref_logprobs", "hidden_residual"}
-        elif self.reference is not None:
+        if self.reference is not None:
             extra.add("ref_logprobs")
         return frozenset(extra)
 
@@ -376,6 +379,8 @@ class Trainer:
             response_mask=batch["response_mask"], rewards=batch["rewards"], group_ids=batch["prompt_index"],
             logprobs=old_logprobs, old_logprobs=batch["behaviour_logprobs"], **fields,
         )
+        # the state this batch's credit is computed with (the controller steps afterwards)
+        credit_state = copy.deepcopy(self.credit.state_dict()) if self._saves_rollouts_this_step() else None
         credit = self.credit(cb)
         adv = credit.advantages
         metrics.update(credit.metrics)
@@ -396,7 +401,7 @@ class Trainer:
         metrics["time/step_s"] = dt
         metrics["time/rollout_s"] = t_roll
         metrics["time/tokens_per_s"] = float(mask.sum()) / max(dt, 1e-9)
-        self._last_batch = {"batch": batch, "credit_batch": cb, "credit": credit}
+        self._last_batch = {"batch": batch, "credit_batch": cb, "credit": credit, "credit_state": credit_state}
         return metrics
 
     def _update_policy(self, batch, adv, old_logprobs, ref_logprobs) -> Dict[str, float]:
@@ -409,7 +414,9 @@ class Trainer:
         mask = batch["response_mask"]
         mb = cfg.optim.micro_batch_size
         total_tokens = float(mask.sum())
-        seq_mode = cfg.loss.agg_mode.startswith("seq-")
+        agg_mode = self.policy_loss_cfg.agg_mode
+        norm_constant = getattr(self.policy_loss_cfg, "norm_constant", None)
+        seq_mode = agg_mode.startswith("seq-")
         n_rows = float((mask.sum(1) > 0).sum())
         sums: Dict[str, float] = {}
         ent_sum = 0.0
@@ -423,16 +430,19 @@ class Trainer:
                     continue
                 _, logits = forward_response(self.model, batch["input_ids"][sl], batch["attention_mask"][sl], P)
                 _check_finite(logits, "policy logits", self.step + 1, m)
-                lp = token_signals(logits, batch["response_ids"][sl], temperature=self._temperature(), want=("logprobs",))["logprobs"]
+                # the first epoch's entropy (logged) comes out of the same pass over the logits
+                want = ("logprobs", "entropy") if epoch == 0 else ("logprobs",)
+                sig = token_signals(logits, batch["response_ids"][sl], temperature=self._temperature(), want=want)
+                lp = sig["logprobs"]
                 loss, lm = self.policy_loss(lp, old_logprobs[sl], adv[sl], m, self.policy_loss_cfg)
                 if cfg.loss.kl_coef > 0:
-                    kl = aggregate(kl_penalty(lp, ref_logprobs[sl], cfg.loss.kl_estimator), m, cfg.loss.agg_mode)
+                    kl = aggregate(kl_penalty(lp, ref_logprobs[sl], cfg.loss.kl_estimator), m, agg_mode, norm_constant=norm_constant)
                     loss = loss + cfg.loss.kl_coef * kl
                     lm = {**lm, "kl": float(kl.detach())}
                 _check_finite(loss.detach(), "policy loss", self.step + 1)
                 # each micro-batch's loss is aggregated on its own; this weight makes their sum the
                 # whole batch's loss (token-sum is already additive)
-                if cfg.loss.agg_mode == "token-sum":
+                if agg_mode == "token-sum":
                     scale = 1.0
                 elif seq_mode:
                     scale = float((m.sum(1) > 0).sum()) / n_rows
@@ -443,9 +453,7 @@ class Trainer:
                     sums[k] = sums.get(k, 0.0) + float(v) * scale / cfg.optim.ppo_epochs
                 sums["policy"] = sums.get("policy", 0.0) + float(loss.detach()) * scale / cfg.optim.ppo_epochs
                 if epoch == 0:
-                    with torch.no_grad():
-                        ent = token_signals(logits.detach(), batch["response_ids"][sl], temperature=self._temperature(), want=("entropy",))["entropy"]
-                        ent_sum += float((ent * m).sum())
+                    ent_sum += float((sig["entropy"].detach() * m).sum())
             params = [p for p in self.model.parameters() if p.requires_grad]
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
             if not torch.isfinite(gn):
@@ -531,6 +539,10 @@ class Trainer:
         tokens = [[self.tokenizer.decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, batch["response_mask"])]
         torch.save({
             "credit": self.credit.name,
+            # the run's method settings and state (STARE's controller, ...), so that a replay of
+            # this batch computes the credit the run computed
+            "credit_configs": {k: dataclasses.asdict(c) for k, c in self.credit.configs.items() if dataclasses.is_dataclass(c)},
+            "credit_state": lb["credit_state"] if lb.get("credit_state") is not None else self.credit.state_dict(),
             "step": self.step,
             "signals": fields,
             "advantages": credit.advantages,
@@ -709,12 +721,16 @@ def _policy_loss_config(loss, lc):
     """Build the registered policy loss's config from LossConfig (only the keys it has)."""
     cls = loss.config_cls
     names = {f.name for f in dataclasses.fields(cls)}
-    candidates = {
-        "clip_low": lc.clip_low,
-        "clip_high": lc.clip_high,
-        "dual_clip": lc.dual_clip,
-        "agg_mode": lc.agg_mode,
-    }
+    candidates = {"clip_low": lc.clip_low, "clip_high": lc.clip_high}
+    # settings that are off by default: one that is set but that this loss has no field for would
+    # be silently dropped, so it is an error instead
+    for k in ("dual_clip", "agg_mode", "norm_constant"):
+        v = getattr(lc, k)
+        if v is None:
+            continue
+        if k not in names:
+            raise ValueError(f"loss.{k}: policy loss {loss.name!r} has no such setting (it has {sorted(names)}), got {v!r}")
+        candidates[k] = v
     return cls(**{k: v for k, v in candidates.items() if k in names})
 
 
