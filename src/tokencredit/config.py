@@ -4,7 +4,7 @@
     tokencredit train --config run.yaml --rollout.temperature 0.7 --steps 50
 
 Defaults are sized for the embedded SmolLM2-135M-Instruct on 2 CPU cores: a short run that
-finishes in about ten minutes and shows a learning signal on 1-digit multiplication.
+finishes in about six minutes (357 s measured) and shows a learning signal on 1-digit multiplication.
 """
 
 from __future__ import annotations
