@@ -323,3 +323,22 @@ def test_a_named_reference_is_used_under_lora_too(tmp_path):
     want = token_signals(logits, b["response_ids"], temperature=1.0, want=("logprobs",))["logprobs"]
     m = b["response_mask"].bool()
     torch.testing.assert_close(cb.ref_logprobs[m], want[m], atol=1e-5, rtol=0)
+
+
+def test_a_recipe_gives_defaults_and_the_user_wins(tmp_path):
+    """--credit dapo fills in DAPO's settings; anything set in the YAML file or on the command line stays."""
+    from tokencredit.config import LossConfig, load_config
+
+    cfg = load_config(None, ["--credit", "dapo"])
+    assert cfg.credit == "grpo" and cfg.dapo.dynamic_sampling and cfg.dapo.overlong_shaping
+    assert cfg.loss.agg_mode == "token-mean"
+    cfg = load_config(None, ["--credit", "dapo", "--loss.agg-mode", "seq-mean-token-mean", "--dapo.no-dynamic-sampling"])
+    assert cfg.loss.agg_mode == "seq-mean-token-mean" and not cfg.dapo.dynamic_sampling and cfg.dapo.overlong_shaping
+    run = tmp_path / "run.yaml"
+    run.write_text("credit: dapo\nloss:\n  agg_mode: token-sum\nsteps: 7\n")
+    cfg = load_config(str(run), ["--rollout.max-new-tokens", "12"])
+    assert (cfg.credit, cfg.loss.agg_mode, cfg.steps, cfg.rollout.max_new_tokens) == ("grpo", "token-sum", 7, 12)
+    assert cfg.dapo.dynamic_sampling
+    # the Python API: a field the user changed from its default is kept
+    kept = apply_recipe(TrainConfig(credit="dapo", loss=LossConfig(agg_mode="token-sum")))
+    assert kept.loss.agg_mode == "token-sum" and kept.dapo.dynamic_sampling and kept.credit == "grpo"

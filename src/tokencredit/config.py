@@ -202,31 +202,60 @@ def _from_dict(cls, data: Dict[str, Any], where: str):
 
 
 def apply_recipe(cfg: TrainConfig) -> TrainConfig:
-    """Expand a recipe name given as ``credit`` into its spec and overrides."""
+    """Expand a recipe name given as ``credit`` into its spec and settings.
+
+    A recipe supplies defaults, not overrides: a field of ``cfg`` that differs from
+    ``TrainConfig()``'s default was chosen by the user and is kept (``--credit dapo
+    --loss.clip-high 0.3`` trains with 0.3). :func:`load_config` goes further and lets any value
+    given in the YAML file or on the command line win, even one equal to the default.
+    """
     recipe = RECIPES.get(cfg.credit)
     if recipe is None:
         return cfg
     d = dataclasses.asdict(cfg)
+    default = dataclasses.asdict(TrainConfig())
     for k, v in recipe.items():
         if isinstance(v, dict):
-            d[k].update(v)
+            for kk, vv in v.items():
+                if d[k][kk] == default[k][kk]:
+                    d[k][kk] = vv
         else:
             d[k] = v
     return _from_dict(TrainConfig, d, "")
 
 
+def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> TrainConfig:
-    """YAML file (optional) as defaults, then command-line overrides parsed by tyro."""
+    """YAML file (optional) as defaults, then command-line overrides parsed by tyro.
+
+    Precedence: dataclass defaults < a recipe named by ``credit`` (e.g. ``dapo``) < the YAML file
+    < the command line.
+    """
     import tyro
 
-    base = TrainConfig()
+    args = list(overrides or [])
+    from_yaml: Dict[str, Any] = {}
     if path is not None:
         p = Path(path)
         if not p.exists():
             raise FileNotFoundError(f"--config: no such file {p}")
-        base = _from_dict(TrainConfig, yaml.safe_load(p.read_text()) or {}, "")
-    cfg = tyro.cli(TrainConfig, args=list(overrides or []), default=base, prog="tokencredit train")
-    return apply_recipe(cfg)
+        from_yaml = yaml.safe_load(p.read_text()) or {}
+    base = _from_dict(TrainConfig, from_yaml, "")
+    cfg = tyro.cli(TrainConfig, args=args, default=base, prog="tokencredit train")
+    recipe = RECIPES.get(cfg.credit)
+    if recipe is None:
+        return cfg
+    # parse again on top of the recipe, so that the file and the command line win over it
+    with_recipe = _merge(dataclasses.asdict(TrainConfig()), {k: v for k, v in recipe.items() if k != "credit"})
+    base = _from_dict(TrainConfig, _merge(with_recipe, from_yaml), "")
+    cfg = tyro.cli(TrainConfig, args=args, default=base, prog="tokencredit train")
+    return dataclasses.replace(cfg, credit=recipe["credit"])
 
 
 def config_to_dict(cfg: TrainConfig) -> Dict[str, Any]:
