@@ -59,10 +59,14 @@ def test_logits_are_the_models_own_at_response_positions():
     pos = (att.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, P - 1 : P - 1 + T]
+        last = model.model(input_ids=ids, attention_mask=att, position_ids=pos).last_hidden_state[:, P - 1 :]
+        m = att[:, P:].bool()
+        hm = torch.cat([torch.ones(6, 1, dtype=torch.bool), m], 1)
         for share in (False, True):
-            _, logits = forward_response(model, ids, att, P, share_prompts=share)
-            m = att[:, P:].bool()
+            h, logits = forward_response(model, ids, att, P, hidden=True, share_prompts=share)
             torch.testing.assert_close(logits[m], ref[m], atol=1e-5, rtol=0)
+            # the states the value head reads are the final (normed) ones
+            torch.testing.assert_close(h[hm], last[hm], atol=1e-5, rtol=0)
 
 
 def test_post_head_transforms_are_kept():
