@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["forward_response", "distinct_rows"]
+__all__ = ["forward_response", "distinct_rows", "prompt_cache", "positions"]
 
 
 def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -42,9 +42,26 @@ def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> Optional[Tuple[torch
     return first, inverse
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # prompts are left-padded: a token's position counts the real tokens before it (as generate does)
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: a token's position counts the real tokens before it (as generate does)."""
     return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def prompt_cache(model, ids: torch.Tensor, mask: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor, *, hidden: bool = False):
+    """Run the rows ``first`` of ``(ids, mask)`` once and index their KV cache out to the rows ``inverse``.
+
+    Returns ``(out, cache)``: the model output over the distinct rows (logits of the last
+    position only) and a cache with one row per entry of ``inverse``. The indexing is a gather,
+    so under grad the shared states receive the sum of their rows' gradients.
+    """
+    p_ids, p_att = ids[first], mask[first]
+    out = model(
+        input_ids=p_ids, attention_mask=p_att, position_ids=positions(p_att),
+        use_cache=True, logits_to_keep=1, output_hidden_states=hidden,
+    )
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)
+    return out, cache
 
 
 def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidden: bool = False, share_prompts: bool = True):
@@ -69,7 +86,7 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
         groups = distinct_rows(input_ids[:, :P], attention_mask[:, :P])
     if groups is None:
         out = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
             use_cache=False, logits_to_keep=torch.arange(P - 1, L - 1, device=input_ids.device),
             output_hidden_states=hidden,
         )
@@ -77,19 +94,13 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
         return h, out.logits
 
     first, inverse = groups
-    p_ids, p_att = input_ids[first, :P], attention_mask[first, :P]
     # the prompt pass gives the logits (and state) at the last prompt position: response token 0
-    po = model(
-        input_ids=p_ids, attention_mask=p_att, position_ids=_positions(p_att),
-        use_cache=True, logits_to_keep=1, output_hidden_states=hidden,
-    )
-    cache = po.past_key_values
-    cache.batch_select_indices(inverse)
+    po, cache = prompt_cache(model, input_ids[:, :P], attention_mask[:, :P], first, inverse, hidden=hidden)
     logits0 = po.logits[inverse]  # [N, 1, V]
     h0 = po.hidden_states[-1][:, -1:][inverse] if hidden else None
     if T == 1 and not hidden:
         return None, logits0
-    n_prompt = p_att.long().sum(-1)[inverse]
+    n_prompt = attention_mask[:, :P].long().sum(-1)
     r_pos = n_prompt.unsqueeze(1) + torch.arange(T, device=input_ids.device)
     # response t predicts t+1: the logits of the last response token are not needed
     keep = torch.arange(T - 1, device=input_ids.device)

@@ -191,15 +191,14 @@ class HFRollout:
         (generate then runs the last prompt token and decodes as usual: same logits up to float
         rounding). Nothing is shared when every row has its own prompt.
         """
+        from .forward import prompt_cache
+
         uniq, inverse = torch.unique(prompt_index, return_inverse=True)
         P = int(enc["input_ids"].shape[1])
         if len(uniq) == len(prompt_index) or P < 2:
             return {}
-        ids = enc["input_ids"][uniq, : P - 1].to(device)
-        att = enc["attention_mask"][uniq, : P - 1].to(device)
-        pos = (att.long().cumsum(-1) - 1).clamp_min(0)
-        cache = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1).past_key_values
-        cache.batch_select_indices(inverse.to(device))
+        ids, att = enc["input_ids"][:, : P - 1].to(device), enc["attention_mask"][:, : P - 1].to(device)
+        _, cache = prompt_cache(self.model, ids, att, uniq.to(device), inverse.to(device))
         return {"past_key_values": cache}
 
     def _check(self, prompts, num_samples, max_new_tokens, temperature, top_p) -> None:

@@ -124,7 +124,7 @@ class Trainer:
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
-        fused = o.fused_adamw and self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in params)
+        fused = o.fused_adamw and self.device.type in ("cpu", "cuda")
         self.optimizer = torch.optim.AdamW(
             params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, **({"fused": True} if fused else {})
         )
@@ -379,8 +379,9 @@ class Trainer:
             response_mask=batch["response_mask"], rewards=batch["rewards"], group_ids=batch["prompt_index"],
             logprobs=old_logprobs, old_logprobs=batch["behaviour_logprobs"], **fields,
         )
-        # the state this batch's credit is computed with (the controller steps afterwards)
-        credit_state = copy.deepcopy(self.credit.state_dict()) if self._saves_rollouts_this_step() else None
+        # the state this batch's credit is computed with (the controller steps afterwards); a few
+        # numbers, kept for the saved rollouts
+        credit_state = copy.deepcopy(self.credit.state_dict())
         credit = self.credit(cb)
         adv = credit.advantages
         metrics.update(credit.metrics)
@@ -541,8 +542,8 @@ class Trainer:
             "credit": self.credit.name,
             # the run's method settings and state (STARE's controller, ...), so that a replay of
             # this batch computes the credit the run computed
-            "credit_configs": {k: dataclasses.asdict(c) for k, c in self.credit.configs.items() if dataclasses.is_dataclass(c)},
-            "credit_state": lb["credit_state"] if lb.get("credit_state") is not None else self.credit.state_dict(),
+            "credit_configs": {k: dataclasses.asdict(c) for k, c in self.credit.configs.items()},
+            "credit_state": lb["credit_state"],
             "step": self.step,
             "signals": fields,
             "advantages": credit.advantages,
