@@ -212,18 +212,28 @@ def test_without_state_the_config_weights_are_used():
     assert out.token_weights.tolist() == [[1.0, 1.3]] and out.metrics["stare/W"] == 1.3
 
 
-def test_pipeline_steps_the_state_once_per_call():
+def test_pipeline_steps_the_state_first_then_credits_with_it():
+    # the reference order (recipe/STARE/stare_ray_trainer.py): the controller steps from the
+    # step's pre-update entropy, then that step's loss reads the updated W
     b = make_batch(8, 6, 4, seed=4)
     p = CreditPipeline("stare", stare={"adaptive": True, "H_target": GATE_ON, "P": 0.5})
+    adv0 = p.estimator.fn(b, p.configs["grpo"]).advantages
     out1 = p(b)
-    assert p.states["stare"].step == 1
-    assert out1.metrics["stare/W"] == pytest.approx(1.1)  # credit uses W before the step
-    assert p.states["stare"].W == pytest.approx(1.11)
+    assert p.states["stare"].step == 1 and p.states["stare"].W == pytest.approx(1.11)
+    assert out1.metrics["stare/W"] == pytest.approx(1.11)  # credit uses W after this step's update
+    # the controller's own metrics reach the caller
+    assert out1.metrics["stare/W_next"] == pytest.approx(1.11) and out1.metrics["stare/controller_step"] == 1.0
+    # the largest reweighted token carries exactly the updated W
+    ratio = (out1.advantages / adv0.where(adv0 != 0, torch.ones_like(adv0)))[b.mask & (adv0 > 0)]
+    assert float(ratio.max()) == pytest.approx(1.11)
     out2 = p(b)
     assert p.states["stare"].step == 2 and p.states["stare"].W == pytest.approx(1.12)
-    assert out2.metrics["stare/W"] == pytest.approx(1.11)
-    p(b, update_state=False)
-    assert p.states["stare"].step == 2
+    assert out2.metrics["stare/W"] == pytest.approx(1.12)
+    # a replay reads the state without moving it
+    out3 = p(b, update_state=False)
+    assert p.states["stare"].step == 2 and out3.metrics["stare/W"] == pytest.approx(1.12)
+    assert "stare/W_next" not in out3.metrics
+    torch.testing.assert_close(out3.advantages, out2.advantages)
 
 
 def test_finite_masked_and_padding_invariant():

@@ -190,9 +190,11 @@ def _check_run(trainer, credit, config=None, steps=2):
         for name, expected in rec["expected"].items():
             got = getattr(batch, name)
             assert torch.allclose(got[m], expected[m], atol=2e-4, rtol=1e-4), name
-        # the advantages handed to TRL are the core pipeline's on the same batch and state
+        # the advantages handed to TRL are the core pipeline's on the same batch and state; the
+        # state is the one before this generation, which the controller steps first (STARE's
+        # reference order), so the core call steps it too
         core.load_state_dict(rec["state"])
-        ref = core(batch, update_state=False).advantages
+        ref = core(batch).advantages
         assert torch.allclose(adv, ref, atol=1e-6, rtol=0)
         assert (adv[~m] == 0).all()
         nonzero |= bool((adv != 0).any())

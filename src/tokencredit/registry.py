@@ -13,7 +13,9 @@ Two kinds of method share one registry:
   ``state`` is ``None`` unless the method registers a ``state_cls`` (STARE's controller).
 
 A method declares the :class:`~tokencredit.batch.CreditBatch` fields it reads (``requires``),
-so a trainer computes only those signals. Provenance is one of ``ref-code`` (read in the
+so a trainer computes only those signals, and the loss aggregation its paper's estimator is
+defined with (``loss_defaults``, e.g. ARCA's per-trajectory ``seq-mean-token-mean``), which a
+trainer uses unless the user sets one. Provenance is one of ``ref-code`` (read in the
 authors' code), ``paper`` (from the paper's text) or ``reconstructed`` (derived from the
 paper's claims; see docs/methods.md).
 """
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 PROVENANCE = ("ref-code", "paper", "reconstructed")
+#: the loss settings a method may declare defaults for
+LOSS_DEFAULT_KEYS = ("agg_mode", "norm_constant")
 
 
 @dataclass
@@ -71,6 +75,10 @@ class MethodInfo:
     needs_groups: bool = False
     paired_with: Optional[str] = None  # calibrators: the estimator of the method's paper
     state_cls: Optional[type] = None
+    # loss settings the method's paper pairs it with ({"agg_mode": ..., "norm_constant": ...});
+    # a trainer applies them where the user left the setting unset. norm_constant may be the
+    # string "max_new_tokens" (the generation budget, Dr. GRPO's constant).
+    loss_defaults: Dict[str, Any] = field(default_factory=dict)
 
     def make_config(self, config: Any = None) -> Any:
         """Build this method's config from None, a dict of overrides, or a config instance."""
@@ -104,6 +112,9 @@ def _register(info: MethodInfo) -> None:
     unknown = set(info.requires) - set(SIGNALS)
     if unknown:
         raise ValueError(f"{info.name}: requires unknown signal(s) {sorted(unknown)}; known: {SIGNALS}")
+    bad = sorted(set(info.loss_defaults) - set(LOSS_DEFAULT_KEYS))
+    if bad:
+        raise ValueError(f"{info.name}: loss_defaults: unknown key(s) {bad}; expected some of {list(LOSS_DEFAULT_KEYS)}")
     if not dataclasses.is_dataclass(info.config_cls):
         raise TypeError(f"{info.name}: config_cls must be a dataclass")
     _REGISTRY[info.name] = info
@@ -117,6 +128,7 @@ def register_estimator(
     provenance: str,
     summary: str,
     needs_groups: bool = False,
+    loss_defaults: Optional[Dict[str, Any]] = None,
 ) -> Callable:
     """Decorator: register ``fn(batch, config) -> CreditOutput`` as estimator ``name``."""
 
@@ -131,6 +143,7 @@ def register_estimator(
                 provenance=provenance,
                 summary=summary,
                 needs_groups=needs_groups,
+                loss_defaults=dict(loss_defaults or {}),
             )
         )
         return fn
@@ -147,6 +160,7 @@ def register_calibrator(
     summary: str,
     paired_with: str = "grpo",
     state_cls: Optional[type] = None,
+    loss_defaults: Optional[Dict[str, Any]] = None,
 ) -> Callable:
     """Decorator: register ``fn(batch, advantages, config, state) -> CreditOutput``."""
 
@@ -162,6 +176,7 @@ def register_calibrator(
                 summary=summary,
                 paired_with=paired_with,
                 state_cls=state_cls,
+                loss_defaults=dict(loss_defaults or {}),
             )
         )
         return fn

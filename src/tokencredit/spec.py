@@ -80,11 +80,32 @@ class CreditPipeline:
             out |= m.requires
         return frozenset(out)
 
+    def loss_default(self, key: str) -> Any:
+        """The loss setting ``key`` (``agg_mode``, ``norm_constant``) that the spec's methods
+        declare (their papers' aggregation), or None when none declares it.
+
+        Two methods that declare different values cannot both be honoured: a ``ValueError`` asks
+        the user to choose (``dr_grpo+arca``: set ``loss.agg_mode``).
+        """
+        found = {m.name: m.loss_defaults[key] for m in self.methods if key in m.loss_defaults}
+        if len(set(map(repr, found.values()))) > 1:
+            said = ", ".join(f"{n} with {v!r}" for n, v in found.items())
+            raise ValueError(f"credit spec '{self.name}': its methods are defined with different loss.{key} ({said}); set loss.{key} explicitly")
+        return next(iter(found.values()), None)
+
     def __call__(self, batch: CreditBatch, *, update_state: bool = True) -> CreditOutput:
-        """Credit for ``batch``. With ``update_state`` each stateful method's controller takes
-        one step from this batch afterwards (call once per optimisation step)."""
+        """Credit for ``batch``.
+
+        With ``update_state`` (call once per optimisation step) each stateful method's controller
+        first takes one step from this batch, whose signals are measured before the update, and
+        the credit is then computed with the updated state: the order of STARE's reference
+        trainer (controller update, then the actor loss reads the new gate, W and M). The
+        controller's metrics (``stare/W_next`` ...) are part of the returned metrics. With
+        ``update_state=False`` the current state is used and left unchanged (replays).
+        """
         if not isinstance(batch, CreditBatch):
             raise TypeError(f"batch: expected a CreditBatch, got {type(batch).__name__}")
+        state_metrics = self.update_state(batch) if update_state else {}
         est = self.estimator
         batch.require(est.name, sorted(est.requires))
         out = est.fn(batch, self.configs[est.name])
@@ -103,12 +124,13 @@ class CreditPipeline:
             raise FloatingPointError(f"credit spec '{self.name}' produced non-finite advantages")
         if weights is not None:
             weights = masked_fill_zero(weights, batch.mask)
-        if update_state:
-            self.update_state(batch)
+        metrics.update(state_metrics)
         return CreditOutput(advantages=adv, token_weights=weights, returns=out.returns, metrics=metrics)
 
     def update_state(self, batch: CreditBatch) -> Dict[str, float]:
-        """One controller step of every stateful method from ``batch``; returns its metrics."""
+        """One controller step of every stateful method from ``batch`` (the step's batch, signals
+        measured before the update); returns the controllers' metrics. ``__call__`` does this
+        first unless told not to."""
         metrics: Dict[str, float] = {}
         for name, state in self.states.items():
             metrics.update(state.update(batch) or {})

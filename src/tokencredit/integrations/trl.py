@@ -19,8 +19,9 @@ built and a missing one fails with the installed TRL version in the message):
   completions may straddle processes, as in TRL) and replaces ``out["advantages"]`` (B,) by the
   [B, T] token advantages. TRL's ``_compute_loss`` accepts [B, T] advantages (it unsqueezes
   only 1-D ones).
-* Stateful methods (STARE's controller) step once per optimizer step (a ``TrainerCallback`` at
-  ``on_step_end``), from the rollout batch that step trained on; their state is written as
+* Stateful methods (STARE's controller) step once per training generation batch (one rollout
+  step), from that batch, *before* its credit is computed, so the loss reads the updated state
+  (the order of STARE's reference trainer); eval batches never move it. The state is written as
   ``credit_state.json`` in each checkpoint (``_save_checkpoint``) and read back on resume
   (``_load_optimizer_and_scheduler``), the pattern TRL uses for its own entropy controller.
 * Method metrics and tokencredit's credit diagnostics go to TRL's logs
@@ -60,7 +61,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tokencredit.integrations.trl needs TRL (tested with trl 1.16): pip install 'trl>=1.16,<1.17'"
     ) from e
 
-from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..batch import CreditBatch
@@ -176,18 +176,6 @@ def _from_json(x: Any) -> Any:
     if isinstance(x, list):
         return [_from_json(v) for v in x]
     return x
-
-
-class _CreditStepCallback(TrainerCallback):
-    """Steps the stateful credit methods once per optimizer step (``on_step_end`` fires after the
-    optimizer step, never per micro-batch, and before logging and checkpointing)."""
-
-    def __init__(self, trainer: "TokenCreditGRPOTrainer"):
-        self._trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._trainer._credit_controller_step()
-        return control
 
 
 class TokenCreditGRPOTrainer(GRPOTrainer):
@@ -319,11 +307,9 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         if self.oracle_model is not None:
             self.oracle_model.to(self.accelerator.device).eval().requires_grad_(False)
         self._tc_rewards_per_func: Optional[torch.Tensor] = None
-        self._tc_step_batch: Optional[CreditBatch] = None
         self.last_credit_batch: Optional[CreditBatch] = None
         self.last_credit_output = None
         self._tc_warned_eval = False
-        self.add_callback(_CreditStepCallback(self))
 
     # -- TRL hooks -------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -349,7 +335,10 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                 self._tc_warned_eval = True
             return out
         batch, local = self._credit_batch(out, inputs, k)
-        res = self.credit(batch, update_state=False)
+        # a training generation batch is one rollout step: stateful methods (STARE's controller)
+        # step once from it, before its loss, and its credit reads the updated state (the
+        # reference's order); eval batches never move the state
+        res = self.credit(batch, update_state=(mode == "train"))
         B, T = out["completion_ids"].shape
         lo = self.accelerator.process_index * B
         out["advantages"] = res.advantages[lo : lo + B, :T].to(out["completion_ids"].device, torch.float32)
@@ -360,8 +349,6 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         self._replace_logged_advantages(res.advantages, batch.mask)
         self.last_credit_batch = batch
         self.last_credit_output = res
-        if mode == "train":
-            self._tc_step_batch = batch
         return out
 
     def _save_checkpoint(self, model, trial):
@@ -395,12 +382,6 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         self.credit.load_state_dict(_from_json(payload["state"]))
 
     # -- credit ----------------------------------------------------------------------------
-    def _credit_controller_step(self) -> None:
-        if not self.credit.states or self._tc_step_batch is None:
-            return
-        for name, value in self.credit.update_state(self._tc_step_batch).items():
-            self._metrics["train"][name].append(float(value))
-
     def _gather_rows(self, x: torch.Tensor, pad: float) -> torch.Tensor:
         """[B_local, T_local] on every process -> [B_global, T_max], padded with ``pad``."""
         if self.accelerator.num_processes == 1:

@@ -7,8 +7,10 @@ Dividing by the group std up-weights prompts that are nearly always solved or ne
 failed (a question-difficulty bias); Dr. GRPO drops it. Its second fix, removing the per-
 response length normalisation, lives in the loss, not in the credit: pair this estimator with
 the ``seq-mean-token-sum-norm`` loss aggregation (sum over a response's tokens divided by a
-constant, then mean over responses). The advantage alone equals ``grpo`` with
-``std_normalize=False``.
+constant, then mean over responses), which the estimator declares (``loss_defaults``): a trainer
+uses it, with the generation budget ``max_new_tokens`` as the constant (the paper's choice:
+"the maximum completion length"), unless the user sets ``loss.agg_mode`` / ``loss.norm_constant``.
+The advantage alone equals ``grpo`` with ``std_normalize=False``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DrGRPOConfig:
     summary="group-mean-centred outcome advantage (no std division) broadcast to every token; "
     "pair with seq-mean-token-sum-norm loss aggregation",
     needs_groups=True,
+    loss_defaults={"agg_mode": "seq-mean-token-sum-norm", "norm_constant": "max_new_tokens"},
 )
 def dr_grpo(batch: CreditBatch, config: DrGRPOConfig) -> CreditOutput:
     g = groups_of(batch, "dr_grpo")

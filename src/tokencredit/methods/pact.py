@@ -53,11 +53,10 @@ __all__ = [
 
 _MODES = ("gae", "credit")
 
-# reconstructed: truncation range of the per-token critic IS ratio pi_new / pi_old. The paper
-# masks samples whose ratio falls outside a range; [1/2, 2] is symmetric in log-ratio, always
-# keeps on-policy tokens (ratio 1), and drops tokens whose probability the actor step more than
-# doubled or halved (the critic's target no longer describes them). Same as the trainer's
-# CriticConfig.pact_is_low / pact_is_high.
+# reconstructed: range of the per-token critic IS ratio pi_new / pi_old. The paper masks samples
+# whose ratio falls outside a range but its numbers were not recovered; [1/2, 2] is symmetric in
+# log-ratio, always keeps on-policy tokens (ratio 1), and drops tokens whose probability the
+# actor step more than doubled or halved (the critic's target no longer describes them).
 DEFAULT_IS_LOW = 0.5
 DEFAULT_IS_HIGH = 2.0
 
@@ -72,6 +71,16 @@ def _check_range(reward_range) -> Tuple[float, float]:
     return lo, hi
 
 
+def _check_is_range(low, high, where: str) -> None:
+    def num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not (num(low) and 0.0 <= low <= 1.0):
+        raise ValueError(f"{where} is_low: expected a number in [0, 1], got {low!r}")
+    if not (num(high) and high >= 1.0):
+        raise ValueError(f"{where} is_high: expected a finite number >= 1, got {high!r}")
+
+
 @dataclass
 class PACTConfig:
     gamma: float = 1.0  # paper: actor advantage from GAE with gamma = 1
@@ -80,6 +89,11 @@ class PACTConfig:
     # paper: the critic is a probability trained with BCE against R rescaled to [0, 1]; (0, 1)
     # is the identity for the 0/1 verifier rewards of the paper's tasks
     reward_range: Tuple[float, float] = (0.0, 1.0)
+    # critic step (paper: actor first, then the critic on samples weighted by the detached
+    # per-token ratio pi_new / pi_old of the updated actor, samples outside [is_low, is_high]
+    # masked, not clipped). The range is reconstructed: the paper's numbers were not recovered.
+    is_low: float = DEFAULT_IS_LOW
+    is_high: float = DEFAULT_IS_HIGH
 
     def __post_init__(self):
         for name in ("gamma", "lam"):
@@ -90,6 +104,7 @@ class PACTConfig:
             raise ValueError(f"pact mode: expected one of {_MODES}, got {self.mode!r}")
         # a list (from YAML) is accepted and stored as a tuple
         self.reward_range = _check_range(self.reward_range)
+        _check_is_range(self.is_low, self.is_high, "pact")
 
 
 def rescale_rewards(rewards: Tensor, reward_range=(0.0, 1.0), *, field: str = "rewards") -> Tensor:
@@ -231,10 +246,7 @@ def pact_critic_is_weights(
     tokens) and the range [low, high] (default [0.5, 2]); ``low <= 1 <= high`` so an unchanged
     token is always kept.
     """
-    if not (isinstance(low, (int, float)) and 0.0 <= low <= 1.0):
-        raise ValueError(f"pact_critic_is_weights low: expected a number in [0, 1], got {low!r}")
-    if not (isinstance(high, (int, float)) and high >= 1.0):
-        raise ValueError(f"pact_critic_is_weights high: expected a number >= 1, got {high!r}")
+    _check_is_range(low, high, "pact_critic_is_weights")
     for name, x in (("new_logprobs", new_logprobs), ("old_logprobs", old_logprobs)):
         if not isinstance(x, Tensor) or x.dim() != 2:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
