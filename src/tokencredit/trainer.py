@@ -133,7 +133,7 @@ class Trainer:
         from .losses import get_policy_loss
 
         self.policy_loss = get_policy_loss(cfg.loss.policy_loss)
-        self.policy_loss_cfg = _policy_loss_config(self.policy_loss, cfg.loss)
+        self.policy_loss_cfg = _policy_loss_config(self.policy_loss, cfg.loss, self.credit, cfg.rollout.max_new_tokens)
 
         self.task = task if task is not None else make_task(
             cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval,
@@ -257,7 +257,7 @@ class Trainer:
         from .signals import hidden_residual, token_signals
 
         want_policy = [s for s in ("entropy", "mode_prob") if s in need]
-        need_hidden = "values" in need or "hidden_residual" in need
+        need_hidden = bool({"values", "hidden_residual", "hidden"} & set(need))
         mb = self.cfg.optim.micro_batch_size
         N, T = seqs["response_ids"].shape
         P = seqs["prompt_len"]
@@ -379,10 +379,11 @@ class Trainer:
             response_mask=batch["response_mask"], rewards=batch["rewards"], group_ids=batch["prompt_index"],
             logprobs=old_logprobs, old_logprobs=batch["behaviour_logprobs"], **fields,
         )
-        # the state this batch's credit is computed with (the controller steps afterwards); a few
-        # numbers, kept for the saved rollouts
-        credit_state = copy.deepcopy(self.credit.state_dict())
+        # stateful methods step their controller from this pre-update batch first, and the credit
+        # reads the updated state (STARE's reference order); that state, a few numbers, is kept
+        # for the saved rollouts so that a replay computes the same credit
         credit = self.credit(cb)
+        credit_state = copy.deepcopy(self.credit.state_dict())
         adv = credit.advantages
         metrics.update(credit.metrics)
         from .diagnostics import credit_diagnostics
@@ -472,16 +473,17 @@ class Trainer:
 
     def _update_critic(self, batch, sig, credit, old_logprobs) -> Dict[str, float]:
         mask = batch["response_mask"]
-        hidden = sig["hidden"].detach()
         if self._is_pact():
             from .methods.pact import pact_critic_is_weights, pact_critic_loss
 
-            # PACT: one extra forward of the *updated* actor; critic samples weighted by the
-            # truncated per-token ratio pi_new / pi_old (reconstructed details, see docs)
-            new_lp = self._signals(batch, frozenset())["logprobs"]
-            w = pact_critic_is_weights(new_lp, old_logprobs, mask, low=self.cfg.critic.pact_is_low, high=self.cfg.critic.pact_is_high)
-            rewards = batch["rewards"]
+            # PACT: one extra forward of the *updated* actor gives pi_new and the hidden states the
+            # critic trains on (the policy whose V it estimates); each critic sample is weighted by
+            # the detached per-token ratio pi_new / pi_old, masked outside [is_low, is_high]
             cfg_p = self.credit.configs["pact"]
+            new = self._signals(batch, frozenset({"hidden"}))
+            hidden = new["hidden"].detach()
+            w = pact_critic_is_weights(new["logprobs"], old_logprobs, mask, low=cfg_p.is_low, high=cfg_p.is_high)
+            rewards = batch["rewards"]
             lo, hi = cfg_p.reward_range
             for _ in range(self.cfg.critic.steps):
                 self.critic_opt.zero_grad(set_to_none=True)
@@ -490,7 +492,13 @@ class Trainer:
                 _check_finite(loss.detach(), "critic loss", self.step + 1)
                 loss.backward()
                 self.critic_opt.step()
-            return {"critic/loss": float(loss.detach()), "critic/is_kept_frac": float(((w > 0) & mask.bool()).sum() / mask.sum())}
+            valid = mask.bool()
+            return {
+                "critic/loss": float(loss.detach()),
+                "critic/is_kept_frac": float(((w > 0) & valid).sum() / valid.sum().clamp_min(1)),
+                "critic/is_ratio_mean": float(torch.exp(new["logprobs"] - old_logprobs)[valid].mean()) if valid.any() else 1.0,
+            }
+        hidden = sig["hidden"].detach()
         returns = credit.returns
         for _ in range(self.cfg.critic.steps):
             self.critic_opt.zero_grad(set_to_none=True)
@@ -718,10 +726,21 @@ def _schedule(kind: str, warmup: int, total: int):
     return f
 
 
-def _policy_loss_config(loss, lc):
-    """Build the registered policy loss's config from LossConfig (only the keys it has)."""
+def _policy_loss_config(loss, lc, credit=None, max_new_tokens=None):
+    """Build the registered policy loss's config from LossConfig (only the keys it has).
+
+    Aggregation precedence: a value the user set > the one the credit spec's methods declare
+    (their papers': ARCA's per-trajectory seq-mean-token-mean, Dr. GRPO's
+    seq-mean-token-sum-norm with the generation budget as constant) > the loss's own default.
+    """
     cls = loss.config_cls
     names = {f.name for f in dataclasses.fields(cls)}
+    lc = dataclasses.replace(lc)
+    if credit is not None and lc.agg_mode is None:
+        lc.agg_mode = credit.loss_default("agg_mode")
+    if credit is not None and lc.norm_constant is None and lc.agg_mode == "seq-mean-token-sum-norm":
+        c = credit.loss_default("norm_constant")
+        lc.norm_constant = float(max_new_tokens) if c == "max_new_tokens" else c
     candidates = {"clip_low": lc.clip_low, "clip_high": lc.clip_high}
     # settings that are off by default: one that is set but that this loss has no field for would
     # be silently dropped, so it is an error instead
