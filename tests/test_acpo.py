@@ -211,3 +211,146 @@ def test_input_errors():
         CreditPipeline("acpo")(b.replace(logprobs=None))
     with pytest.raises(CreditInputError, match="advantages"):
         acpo(b, torch.zeros(8, 7), ACPOConfig())
+
+
+# ---- acpo() itself: direction of the reweighting, its sign, its surrogate -----------------
+
+
+def _real_batch(seed, B=6, T=7, V=13, mode_rows=()):
+    """Signals from real next-token distributions (logits requiring grad), with the sampled
+    token forced to the mode in ``mode_rows`` and to a non-mode token at odd positions elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2.0).requires_grad_(True)
+    logpi = torch.log_softmax(z, -1)
+    probs = logpi.detach().exp()
+    mode = probs.argmax(-1)
+    y = torch.multinomial(probs.reshape(-1, V), 1, generator=g).reshape(B, T)
+    for b in range(B):
+        for t in range(T):
+            if b in mode_rows or t % 2 == 0:
+                y[b, t] = mode[b, t]
+            elif y[b, t] == mode[b, t]:
+                y[b, t] = (mode[b, t] + 1) % V
+    lp = logpi.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    batch = CreditBatch(
+        response_mask=torch.ones(B, T, dtype=torch.int64),
+        rewards=torch.zeros(B, dtype=torch.float64),
+        group_ids=torch.zeros(B, dtype=torch.int64),
+        logprobs=lp,  # attached to z: acpo must not differentiate through its signals
+        mode_prob=logpi.exp().max(-1).values,
+        entropy=-(probs * probs.log()).sum(-1),
+    )
+    return batch, z, lp, probs, y == mode
+
+
+def _u(probs):
+    p = probs.max(-1).values
+    return -(torch.special.xlogy(p, p) + torch.special.xlogy(1 - p, 1 - p)) / LOG2
+
+
+def test_positive_credit_rises_with_the_surrogate_uncertainty_and_averages_one():
+    """A > 0 rows: w - 1 = beta_pos (u - mean_traj u), u the binary mode-vs-rest entropy.
+
+    Fails if: beta_pos and beta_neg are swapped; u is taken from the sampled token's probability
+    or from the full entropy; the weights are not centred, or centred over the batch; the
+    confidence weights are applied to A > 0."""
+    batch, _, _, probs, _ = _real_batch(0)
+    adv = torch.tensor([1.0, 2.0, 0.5, -1.0, -1.0, -1.0], dtype=torch.float64).unsqueeze(1).expand(6, 7).clone()
+    cfg = ACPOConfig(beta_pos=0.7, beta_neg=0.3, w_min=0.0, w_max=10.0)
+    out = acpo(batch, adv, cfg)
+    u = _u(probs)
+    w = out.token_weights[:3]
+    torch.testing.assert_close(w - 1.0, 0.7 * (u[:3] - u[:3].mean(1, keepdim=True)))
+    torch.testing.assert_close(w.mean(1), torch.ones(3, dtype=torch.float64))
+    # within each successful trajectory the weight is increasing in u: the most uncertain
+    # decision gets the most credit, the most confident the least
+    for b in range(3):
+        order = u[b].argsort()
+        assert (w[b][order].diff() > 0).all()
+    torch.testing.assert_close(out.advantages[:3], w * adv[:3])
+
+
+def test_negative_credit_rises_with_the_confidence_of_mode_tokens():
+    """A < 0 rows: w - 1 = beta_neg (c - mean_traj c), c = pi(y) where y is the mode, else 0.
+
+    Fails if: beta_pos and beta_neg are swapped; c ignores the mode test (exp(l) everywhere) or
+    uses the mode probability on non-mode tokens; no centring; the uncertainty weights are
+    applied to A < 0."""
+    batch, _, _, probs, is_mode = _real_batch(1, mode_rows=(5,))
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -3.0, -0.5], dtype=torch.float64).unsqueeze(1).expand(6, 7).clone()
+    cfg = ACPOConfig(beta_pos=0.3, beta_neg=0.7, w_min=0.0, w_max=10.0)
+    out = acpo(batch, adv, cfg)
+    c = torch.where(is_mode, batch.logprobs.detach().exp(), torch.zeros(()).double())
+    w = out.token_weights[3:]
+    torch.testing.assert_close(w - 1.0, 0.7 * (c[3:] - c[3:].mean(1, keepdim=True)))
+    torch.testing.assert_close(w.mean(1), torch.ones(3, dtype=torch.float64))
+    # in failed trajectories with non-mode tokens, every sampled mode token (a confident
+    # choice) gets more blame than every non-mode token
+    for b in (3, 4):
+        m = is_mode[b]
+        assert m.any() and (~m).any()
+        assert w[b - 3][m].min() > w[b - 3][~m].max()
+    # row 5 samples the mode everywhere: blame follows the confidence pi(y) = p
+    order = c[5].argsort()
+    assert (w[2][order].diff() > 0).all()
+    torch.testing.assert_close(out.advantages[3:], w * adv[3:])
+
+
+def test_mixed_sign_trajectory_uses_each_signs_signal_and_never_flips_a_sign():
+    """An estimator with per-token signs (OPPO-like): A > 0 tokens get u-weights, A < 0 tokens
+    c-weights, both centred on the trajectory; with the default clip no sign ever flips."""
+    batch, _, _, probs, is_mode = _real_batch(2)
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(6, 7, generator=g, dtype=torch.float64)
+    adv[adv.abs() < 0.2] = 0.0
+    cfg = ACPOConfig(beta_pos=0.6, beta_neg=0.9, w_min=0.0, w_max=10.0)
+    out = acpo(batch, adv, cfg)
+    u = _u(probs)
+    c = torch.where(is_mode, batch.logprobs.detach().exp(), torch.zeros(()).double())
+    want = torch.where(adv > 0, 1 + 0.6 * (u - u.mean(1, keepdim=True)),
+                       torch.where(adv < 0, 1 + 0.9 * (c - c.mean(1, keepdim=True)), torch.ones_like(u)))
+    torch.testing.assert_close(out.token_weights, want)
+    # defaults, and betas large enough that the clip binds: w >= w_min > 0, signs preserved
+    for cfg in (ACPOConfig(), ACPOConfig(beta_pos=50.0, beta_neg=50.0)):
+        o = acpo(batch, adv, cfg)
+        nz = adv != 0
+        assert (o.advantages[nz] * adv[nz] > 0).all()
+        assert (o.advantages[~nz] == 0).all()
+
+
+def test_each_tokens_policy_gradient_is_rescaled_not_rotated():
+    """The direction claim on acpo()'s output: with the signals computed from the policy's own
+    logits (attached to the graph), the gradient of the ACPO-weighted policy-gradient loss at
+    each token is w_t times the unweighted one: same direction (cosine +1), scaled by w_t > 0.
+
+    Fails if acpo differentiates through mode_prob or logprobs (the weight's own gradient is
+    not parallel to grad log pi(y) at a non-mode token) or if a weight is <= 0."""
+    batch, z, lp, _, is_mode = _real_batch(4)
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0], dtype=torch.float64).unsqueeze(1).expand(6, 7).clone()
+    out = acpo(batch, adv, ACPOConfig())
+    assert not out.advantages.requires_grad
+    w = out.token_weights
+    for b, t in [(0, 1), (0, 2), (2, 3), (3, 0), (4, 1), (5, 4)]:
+        (g_w,) = torch.autograd.grad(-(out.advantages[b, t] * lp[b, t]), z, retain_graph=True)
+        (g_1,) = torch.autograd.grad(-(adv[b, t] * lp[b, t]), z, retain_graph=True)
+        g_w, g_1 = g_w.flatten(), g_1.flatten()
+        assert _cos(g_w, g_1) == pytest.approx(1.0, abs=1e-12), (b, t, bool(is_mode[b, t]))
+        torch.testing.assert_close(g_w.norm() / g_1.norm(), w[b, t])
+
+
+def test_the_surrogate_acpo_uses_is_within_the_true_entropy_bounds():
+    """acpo's surrogate (its metric, and the u its weights follow) lies between the bounds of
+    the true entropy of the distributions the signals came from; at V = 2 it is the entropy."""
+    for V in (2, 13):
+        batch, _, _, probs, _ = _real_batch(5, V=V)
+        H = batch.entropy
+        lo, hi = entropy_bounds(probs.max(-1).values, V)
+        hs = acpo(batch, torch.ones(6, 7, dtype=torch.float64), ACPOConfig()).metrics["acpo/surrogate_entropy_mean"]
+        assert lo.mean().item() == pytest.approx(hs)
+        assert hs <= H.mean().item() + 1e-12 <= hi.mean().item() + 1e-12
+        # beta_pos = 1, no clip: weight differences are exactly the differences of Hs / log 2
+        out = acpo(batch, torch.ones(6, 7, dtype=torch.float64), ACPOConfig(beta_pos=1.0, w_min=0.0, w_max=10.0))
+        d = out.token_weights - out.token_weights[:, :1]
+        torch.testing.assert_close(d, (lo - lo[:, :1]) / LOG2)
+        if V == 2:
+            torch.testing.assert_close(d, (H - H[:, :1]) / LOG2)

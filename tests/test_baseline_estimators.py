@@ -157,6 +157,15 @@ def test_gae_gamma_lam_one_is_outcome_minus_value_and_lam_zero_is_td():
     )
 
 
+def test_gae_defaults_are_verls_gamma_lam_one():
+    # verl AlgoConfig: gamma = lam = 1.0 (0.95 is TRL's lam), so the default raw GAE is R - V(h_t)
+    assert (GAEConfig().gamma, GAEConfig().lam) == (1.0, 1.0)
+    b = make_batch(4, 5, 2, seed=2, lengths=[5, 3, 1, 4])
+    raw = compute_credit("gae", b, gae={"whiten": False}).advantages.double()
+    want = (b.rewards.double().unsqueeze(1) - b.values.double()[:, :5]) * b.fmask.double()
+    torch.testing.assert_close(raw, want, rtol=1e-6, atol=1e-6)
+
+
 masks_with_holes = st.integers(1, 4).flatmap(
     lambda B: st.integers(1, 7).flatmap(
         lambda T: st.lists(st.lists(st.integers(0, 1), min_size=T, max_size=T), min_size=B, max_size=B)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import tokencredit as tc
-from tokencredit import CreditPipeline, parse_spec
+from tokencredit import CreditBatch, CreditPipeline, parse_spec
 
 from helpers import make_batch
 
@@ -41,17 +43,88 @@ def test_composition_equals_applying_the_two_by_hand(est, cal):
     by_hand = c.fn(batch, base, ccfg, c.state_cls(ccfg) if c.state_cls else None).advantages
     out = CreditPipeline(f"{est}+{cal}")(batch)
     torch.testing.assert_close(out.advantages, by_hand)
-    # the calibrator actually acts on this batch for at least one method pairing
-    assert out.advantages.shape == base.shape
 
 
-def test_a_calibrator_changes_credit():
-    batch = make_batch(8, 6, 4, seed=11)
+# ---- every calibrator acts, and in its defining direction ---------------------------------
+#
+# One group of two responses of 4 tokens: row 0 correct (GRPO A > 0), row 1 wrong (A < 0).
+# Each case sets the signals so that the calibrator, at its default config, must change the
+# credit, and states how: +1 = |A'| > |A| (more credit or blame), -1 = |A'| < |A|, 0 = unchanged.
+# A calibrator registered without a case fails the test.
+
+_L = math.log
+_BASE = dict(
+    logprobs=[[_L(0.5)] * 4] * 2,
+    entropy=[[1.0] * 4] * 2,
+    mode_prob=[[0.5] * 4] * 2,
+    hidden_residual=[[1.0] * 4] * 2,
+    ref_logprobs=[[_L(0.5)] * 4] * 2,
+)
+_CASES = {
+    # a tail token (p = 1e-4 where H = 0.1: surprisal beyond the entropy by > log(1/alpha)) with
+    # A > 0 loses credit; the same token with A < 0, and every non-tail token, is untouched
+    "taco": (
+        dict(logprobs=[[_L(1e-4), _L(0.9), _L(0.9), _L(0.9)]] * 2, entropy=[[0.1] * 4] * 2),
+        [[-1, 0, 0, 0], [0, 0, 0, 0]],
+    ),
+    # batch entropy 0.1 < H_target: the gate is on; the top ceil(P |T+|) = 1 most surprising
+    # positive token gets W > 1; variant O1 leaves negative credit alone
+    "stare": (
+        dict(logprobs=[[_L(1e-4), _L(0.9), _L(0.9), _L(0.9)]] * 2, entropy=[[0.1] * 4] * 2),
+        [[+1, 0, 0, 0], [0, 0, 0, 0]],
+    ),
+    # success: the uncertain decision (mode prob 0.5) gets more credit, confident ones less;
+    # failure: the confidently sampled mode token (0.99) gets more blame, non-mode tokens less
+    "acpo": (
+        dict(mode_prob=[[0.5, 0.99, 0.99, 0.99], [0.99, 0.6, 0.6, 0.6]],
+             logprobs=[[_L(0.5), _L(0.99), _L(0.99), _L(0.99)], [_L(0.99), _L(0.1), _L(0.1), _L(0.1)]]),
+        [[+1, -1, -1, -1], [+1, -1, -1, -1]],
+    ),
+    # credit (and blame) follows the adapter residual, whatever the sign of A
+    "arca": (
+        dict(hidden_residual=[[4.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 4.0]]),
+        [[+1, -1, -1, -1], [-1, -1, -1, +1]],
+    ),
+    "surprisal": (
+        dict(logprobs=[[_L(0.01), _L(0.5), _L(0.5), _L(0.5)], [_L(0.5), _L(0.5), _L(0.5), _L(0.01)]]),
+        [[+1, -1, -1, -1], [-1, -1, -1, +1]],
+    ),
+    # one entropy spike followed by flat entropy: the spike leads both in H_t and in the
+    # entropy reduction max(0, H_t - H_next)
+    "entropy": (
+        dict(entropy=[[3.0, 0.5, 0.5, 0.5], [0.5, 0.5, 3.0, 0.5]]),
+        [[+1, -1, -1, -1], [-1, -1, +1, -1]],
+    ),
+    "divergence": (
+        dict(ref_logprobs=[[_L(0.5) - 2.0, _L(0.5) - 0.1, _L(0.5) - 0.1, _L(0.5) - 0.1],
+                           [_L(0.5) - 0.1, _L(0.5) - 2.0, _L(0.5) - 0.1, _L(0.5) - 0.1]]),
+        [[+1, -1, -1, -1], [-1, +1, -1, -1]],
+    ),
+}
+
+
+def _case_batch(overrides):
+    sig = {k: torch.tensor(overrides.get(k, v), dtype=torch.float64) for k, v in _BASE.items()}
+    return CreditBatch(
+        response_mask=torch.ones(2, 4, dtype=torch.int64),
+        rewards=torch.tensor([1.0, 0.0], dtype=torch.float64),
+        group_ids=torch.tensor([0, 0]),
+        **sig,
+    )
+
+
+@pytest.mark.parametrize("cal", tc.list_methods("calibrator"))
+def test_every_calibrator_acts_in_its_defining_direction(cal):
+    assert cal in _CASES, f"calibrator {cal!r} has no case here: add a batch on which it must act"
+    overrides, want = _CASES[cal]
+    batch = _case_batch(overrides)
     base = CreditPipeline("grpo")(batch).advantages
-    changed = [c for c in tc.list_methods("calibrator")
-               if not torch.equal(CreditPipeline(f"grpo+{c}")(batch).advantages, base)]
-    # taco may leave a batch without tail tokens unchanged; most must act
-    assert len(changed) >= len(tc.list_methods("calibrator")) - 2, changed
+    assert (base[0] > 0).all() and (base[1] < 0).all()
+    out = CreditPipeline(f"grpo+{cal}")(batch).advantages
+    assert (out * base >= 0).all(), "a calibrator reweights credit, it never flips its sign"
+    ratio = out.abs() / base.abs()
+    got = torch.where(ratio > 1 + 1e-9, 1, torch.where(ratio < 1 - 1e-9, -1, 0))
+    assert got.tolist() == want, f"{cal}: |A'| / |A| = {ratio.tolist()}"
 
 
 def test_configs_by_dict_and_dataclass_and_errors():

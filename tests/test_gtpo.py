@@ -156,6 +156,37 @@ def test_entropy_orders_credit_at_a_position(batch, normalize):
                         assert adv[i, t] > adv[k, t]  # higher entropy -> less negative
 
 
+def test_zscore_is_over_the_tokens_of_each_set_and_group_and_drops_the_outcome_term():
+    """The paper's normalisation as public implementations read it: mean and population std over
+    every token reward of the set (tokens, not responses; per group). With binary rewards it
+    removes a1 R, the success/failure contrast, which is why "mean" is the default."""
+    b = make_batch(12, 7, 4, seed=4, V=9, dtype=torch.float64, lengths=[7, 2, 5, 1, 3, 7, 6, 2, 4, 7, 1, 5],
+                   signals=("entropy",))
+    cfg = GTPOConfig(normalize="zscore", norm_eps=1e-12)
+    adv = gtpo(b, cfg).advantages
+    raw = gtpo(b, GTPOConfig(normalize="none")).advantages
+    pos, mixed = _sets(b, cfg)
+    assert mixed.all()
+    m, ids = b.mask, b.group_ids
+    n_spread = 0
+    for gid in ids.unique():
+        for member in (pos, ~pos):
+            sel = m & ((ids == gid) & member).unsqueeze(1)
+            vals = adv[sel]
+            assert vals.mean().item() == pytest.approx(0.0, abs=1e-9)
+            # a set whose token rewards are all equal (one response: every share is 1) -> 0
+            spread = raw[sel].max() - raw[sel].min() > 1e-9
+            n_spread += int(spread)
+            assert vals.std(unbiased=False).item() == pytest.approx(1.0 if spread else 0.0, abs=1e-6)
+    assert n_spread >= 4
+    # a1 no longer matters (every O+ token shares a1 * 1, every O- token -a1) ...
+    torch.testing.assert_close(gtpo(b, GTPOConfig(normalize="zscore", norm_eps=1e-12, a1=4.0)).advantages, adv)
+    # ... and credit is no longer signed by the outcome; "mean" keeps it (+1 / -1 per set)
+    assert (adv[m & pos.unsqueeze(1)] < 0).any() and (adv[m & ~pos.unsqueeze(1)] > 0).any()
+    mean = gtpo(b, GTPOConfig()).advantages
+    assert (mean[m & pos.unsqueeze(1)] > 0).all() and (mean[m & ~pos.unsqueeze(1)] < 0).all()
+
+
 def test_single_outcome_groups():
     base = make_batch(4, 3, 2, seed=1, lengths=[3, 2, 3, 1], signals=("entropy",))
     allpos = base.replace(rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]), group_ids=torch.tensor([0, 0, 1, 1]))

@@ -476,10 +476,15 @@ def test_overlong_penalty_errors(kw, field):
 
 def test_dynamic_sampling_filter_hand_cases():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.0, 0.0, 1e-7, 3.0])
-    groups = torch.tensor([7, 7, 2, 2, 9, 9, 9, 4, 4, 4, 5])  # 5 is a singleton: all equal
+    groups = torch.tensor([7, 7, 2, 2, 9, 9, 9, 4, 4, 4, 5])  # 5 is a singleton
     keep = dynamic_sampling_filter(rewards, groups)
     assert keep.dtype == torch.bool
+    # verl's DAPO recipe keeps a singleton group (std > 0 or len == 1); opt out to drop it
+    assert keep.tolist() == [False, False, True, True, False, False, False, True, True, True, True]
+    keep = dynamic_sampling_filter(rewards, groups, keep_singletons=False)
     assert keep.tolist() == [False, False, True, True, False, False, False, True, True, True, False]
+    # a singleton is kept whatever its reward; a group of two equal rewards is not
+    assert dynamic_sampling_filter([1.0, 0.0, 1.0, 1.0], [0, 1, 2, 2]).tolist() == [True, True, False, False]
     # interleaved groups and list inputs
     assert dynamic_sampling_filter([0, 1, 0, 1], [0, 1, 0, 1]).tolist() == [False] * 4
     assert dynamic_sampling_filter([0, 1, 1, 1], [0, 1, 0, 1]).tolist() == [True, False, True, False]
@@ -488,3 +493,5 @@ def test_dynamic_sampling_filter_hand_cases():
         dynamic_sampling_filter(torch.zeros(3), torch.zeros(2))
     with pytest.raises(ValueError, match="rewards"):
         dynamic_sampling_filter(torch.tensor([0.0, float("nan")]), torch.zeros(2))
+    with pytest.raises(ValueError, match="keep_singletons"):
+        dynamic_sampling_filter(torch.zeros(2), torch.zeros(2), keep_singletons=1)

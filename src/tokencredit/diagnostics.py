@@ -26,7 +26,16 @@ import torch
 from torch import Tensor
 
 from .batch import CreditBatch, CreditInputError
-from .ops import check_advantages, masked_fill_zero
+from .ops import (  # the statistics methods share live in ops (methods never import diagnostics)
+    _check_pair,
+    _stat_dtype,
+    check_advantages,
+    effective_token_ratio,
+    masked_fill_zero,
+    nonempty_row_mean,
+    sign_agreement,
+    weight_gini,
+)
 from .registry import CreditOutput
 
 __all__ = [
@@ -45,76 +54,6 @@ __all__ = [
 DEFAULT_PERCENTILES = (0.1, 0.5, 0.9)
 #: TACO's default tail level alpha (reference code), used for the tail-token fraction
 DEFAULT_TAIL_ALPHA = 0.01
-
-
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    # diagnostics sum over many tokens: float64 where the device has it (MPS does not)
-    return torch.float32 if x.device.type == "mps" else torch.float64
-
-
-def _check_pair(x: Tensor, mask: Tensor, name: str) -> None:
-    if not isinstance(x, Tensor) or x.dim() != 2 or tuple(x.shape) != tuple(mask.shape):
-        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise CreditInputError(f"{name}: expected shape {tuple(mask.shape)} (same as the mask), got {got}")
-
-
-def _magnitudes(weights: Tensor, mask: Tensor) -> Tensor:
-    """|w| in a wide dtype, 0 on padding, each row scaled by its max (both statistics are
-    scale-invariant; the scaling keeps w^2 from overflowing or underflowing)."""
-    _check_pair(weights, mask, "weights")
-    mask = mask.bool()
-    w = masked_fill_zero(weights.detach().to(_stat_dtype(weights)).abs(), mask)
-    top = w.amax(dim=1, keepdim=True)
-    return torch.where(top > 0, w / torch.where(top > 0, top, torch.ones_like(top)), w)
-
-
-def weight_gini(weights: Tensor, mask: Tensor) -> Tensor:
-    """Per-trajectory Gini coefficient of |w| over valid tokens, shape [B].
-
-    Uses the sorted form sum_j sum_k |x_j - x_k| = 2 sum_i (2 i - n - 1) x_(i) (x ascending,
-    i = 1..n), which is O(n log n) time and O(n) memory instead of the n^2 pair table.
-    Rows with no valid token or all-zero weights get 0.
-    """
-    mask = mask.bool()
-    w = _magnitudes(weights, mask)
-    B, T = w.shape
-    n = mask.sum(dim=1)
-    # padding sorts after every valid value, so the first n sorted entries are the row's tokens
-    key = torch.where(mask, w, torch.full_like(w, math.inf))
-    srt = key.sort(dim=1).values
-    pos = torch.arange(T, device=w.device)
-    in_row = pos.unsqueeze(0) < n.unsqueeze(1)
-    srt = torch.where(in_row, srt, torch.zeros_like(srt))
-    coef = (2 * (pos + 1)).unsqueeze(0) - n.unsqueeze(1) - 1
-    num = (coef.to(w.dtype) * srt).sum(dim=1)
-    total = srt.sum(dim=1)
-    denom = n.to(w.dtype) * total
-    g = torch.where(denom > 0, num / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(num))
-    # round-off can leave a hair below 0 for near-uniform rows
-    return g.clamp(min=0.0, max=1.0)
-
-
-def effective_token_ratio(weights: Tensor, mask: Tensor) -> Tensor:
-    """Per-trajectory effective-token ratio (sum w)^2 / (n sum w^2) of |w|, shape [B].
-
-    In [1/n, 1]; rows with no valid token or all-zero weights get 1 (uniform).
-    """
-    mask = mask.bool()
-    w = _magnitudes(weights, mask)
-    n = mask.sum(dim=1).to(w.dtype)
-    s1 = w.sum(dim=1)
-    s2 = (w * w).sum(dim=1)
-    denom = n * s2
-    etr = torch.where(denom > 0, s1 * s1 / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.ones_like(s1))
-    return etr.clamp(max=1.0)
-
-
-def nonempty_row_mean(values: Tensor, mask: Tensor, empty: float = 0.0) -> float:
-    """Mean of per-row ``values [B]`` over rows with at least one valid token (``empty`` if none)."""
-    rows = mask.bool().any(dim=1)
-    if not bool(rows.any()):
-        return float(empty)
-    return float(values[rows].to(_stat_dtype(values)).mean())
 
 
 def _sorted_quantiles(srt: Tensor, qs: Sequence[float]) -> list:
@@ -204,32 +143,6 @@ def credit_mass(advantages: Tensor, mask: Tensor) -> Dict[str, float]:
     neg = float(a.clamp(max=0).sum())
     n = max(int(mask.sum()), 1)
     return {"pos": pos, "neg": neg, "pos_per_token": pos / n, "neg_per_token": neg / n}
-
-
-def sign_agreement(advantages: Tensor, mask: Tensor, sequence_advantages: Optional[Tensor] = None) -> float:
-    """Fraction of valid tokens with A_t != 0 whose sign equals the sign of their row's
-    sequence advantage (given as [B], or the row sum of A if None).
-
-    A row whose sequence advantage is 0 counts as disagreeing for each of its nonzero tokens.
-    1.0 if no valid token has A_t != 0 (nothing disagrees).
-    """
-    _check_pair(advantages, mask, "advantages")
-    mask = mask.bool()
-    a = masked_fill_zero(advantages.detach().to(_stat_dtype(advantages)), mask)
-    if sequence_advantages is None:
-        seq = a.sum(dim=1)
-    else:
-        B = mask.shape[0]
-        if not isinstance(sequence_advantages, Tensor) or tuple(sequence_advantages.shape) != (B,):
-            got = tuple(sequence_advantages.shape) if isinstance(sequence_advantages, Tensor) else type(sequence_advantages).__name__
-            raise CreditInputError(f"sequence_advantages: expected shape ({B},), got {got}")
-        seq = sequence_advantages.detach().to(a.dtype)
-    nz = mask & (a != 0)
-    n = int(nz.sum())
-    if n == 0:
-        return 1.0
-    agree = nz & (torch.sign(a) == torch.sign(seq).unsqueeze(1))
-    return int(agree.sum()) / n
 
 
 def credit_diagnostics(

@@ -32,15 +32,18 @@ from .batch import SIGNALS
 
 __all__ = [
     "CreditOutput",
+    "OraclePass",
+    "CriticSpec",
     "MethodInfo",
     "register_estimator",
     "register_calibrator",
     "get_method",
     "list_methods",
     "PROVENANCE",
+    "UnknownMethodError",
 ]
 
-PROVENANCE = ("ref-code", "paper", "reconstructed")
+from .provenance import PROVENANCE  # noqa: E402 (re-exported)
 #: the loss settings a method may declare defaults for
 LOSS_DEFAULT_KEYS = ("agg_mode", "norm_constant")
 
@@ -64,6 +67,51 @@ class CreditOutput:
 
 
 @dataclass(frozen=True)
+class OraclePass:
+    """An extra forward pass a method declares: the batch's own responses scored by another
+    model, or by the policy under another prompt; its log-probs become ``oracle_logprobs``.
+
+    prompt: ``(question, answer) -> str``, the user message the scorer sees instead of the
+        question (OPPO's oracle prompt with the reference answer); None: the student's own prompt
+        (on-policy distillation from a teacher).
+    scorer: ``"policy"`` (self-oracle) or ``"teacher"`` (a frozen model the user supplies; a
+        trainer without one refuses the spec).
+    """
+
+    prompt: Optional[Callable[[str, str], str]]
+    scorer: str
+
+    def __post_init__(self):
+        if self.scorer not in ("policy", "teacher"):
+            raise ValueError(f"OraclePass scorer: expected 'policy' or 'teacher', got {self.scorer!r}")
+        if self.prompt is None and self.scorer == "policy":
+            raise ValueError("OraclePass: the policy on its own prompt is the policy pass; give a prompt or a teacher")
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    """The critic a method declares: a value head on the policy's final hidden states.
+
+    transform: ``"identity"`` (values are the head's output) or ``"sigmoid"`` (a probability).
+    loss: ``(head_out [B, T], *, rewards [B], returns [B, T] | None, mask [B, T], weights [B, T] | None)
+        -> scalar``, on the head's raw output (before ``transform``).
+    after_actor: train after the actor step on a forward of the *updated* actor (its hidden
+        states), each sample weighted by ``is_weights(new_logprobs, old_logprobs, mask)``.
+    """
+
+    transform: str
+    loss: Callable[..., Tensor]
+    after_actor: bool = False
+    is_weights: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
+
+    def __post_init__(self):
+        if self.transform not in ("identity", "sigmoid"):
+            raise ValueError(f"CriticSpec transform: expected 'identity' or 'sigmoid', got {self.transform!r}")
+        if self.after_actor and self.is_weights is None:
+            raise ValueError("CriticSpec: after_actor needs is_weights")
+
+
+@dataclass(frozen=True)
 class MethodInfo:
     name: str
     kind: str  # "estimator" | "calibrator"
@@ -79,6 +127,11 @@ class MethodInfo:
     # a trainer applies them where the user left the setting unset. norm_constant may be the
     # string "max_new_tokens" (the generation budget, Dr. GRPO's constant).
     loss_defaults: Dict[str, Any] = field(default_factory=dict)
+    # extra passes and models, each a function of the method's config (None: not needed)
+    oracle: Optional[Callable[[Any], Optional[OraclePass]]] = None
+    critic: Optional[Callable[[Any], CriticSpec]] = None
+    # the method reads an adapter's effect (ARCA's residual): a model without a LoRA adapter is an error
+    needs_adapter: bool = False
 
     def make_config(self, config: Any = None) -> Any:
         """Build this method's config from None, a dict of overrides, or a config instance."""
@@ -109,6 +162,10 @@ def _register(info: MethodInfo) -> None:
         raise ValueError(f"credit method name '{info.name}' may not contain '+' or ','")
     if info.provenance not in PROVENANCE:
         raise ValueError(f"{info.name}: provenance must be one of {PROVENANCE}, got {info.provenance!r}")
+    if "oracle_logprobs" in info.requires and info.oracle is None:
+        raise ValueError(f"{info.name}: requires oracle_logprobs but declares no oracle pass (oracle=...)")
+    if "values" in info.requires and info.critic is None:
+        raise ValueError(f"{info.name}: requires values but declares no critic (critic=...)")
     unknown = set(info.requires) - set(SIGNALS)
     if unknown:
         raise ValueError(f"{info.name}: requires unknown signal(s) {sorted(unknown)}; known: {SIGNALS}")
@@ -129,6 +186,8 @@ def register_estimator(
     summary: str,
     needs_groups: bool = False,
     loss_defaults: Optional[Dict[str, Any]] = None,
+    oracle: Optional[Callable[[Any], Optional[OraclePass]]] = None,
+    critic: Optional[Callable[[Any], CriticSpec]] = None,
 ) -> Callable:
     """Decorator: register ``fn(batch, config) -> CreditOutput`` as estimator ``name``."""
 
@@ -144,6 +203,8 @@ def register_estimator(
                 summary=summary,
                 needs_groups=needs_groups,
                 loss_defaults=dict(loss_defaults or {}),
+                oracle=oracle,
+                critic=critic,
             )
         )
         return fn
@@ -161,6 +222,7 @@ def register_calibrator(
     paired_with: str = "grpo",
     state_cls: Optional[type] = None,
     loss_defaults: Optional[Dict[str, Any]] = None,
+    needs_adapter: bool = False,
 ) -> Callable:
     """Decorator: register ``fn(batch, advantages, config, state) -> CreditOutput``."""
 
@@ -177,6 +239,7 @@ def register_calibrator(
                 paired_with=paired_with,
                 state_cls=state_cls,
                 loss_defaults=dict(loss_defaults or {}),
+                needs_adapter=needs_adapter,
             )
         )
         return fn
@@ -189,12 +252,20 @@ def _ensure_loaded() -> None:
     from . import methods  # noqa: F401
 
 
+class UnknownMethodError(KeyError, ValueError):
+    """An unknown credit method name: a ``ValueError`` like every other bad spec (and a
+    ``KeyError``, as a failed lookup); ``str()`` is the one-line message, unquoted."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def get_method(name: str) -> MethodInfo:
     _ensure_loaded()
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown credit method '{name}'; registered: {sorted(_REGISTRY)}") from None
+        raise UnknownMethodError(f"unknown credit method '{name}'; registered: {sorted(_REGISTRY)}") from None
 
 
 def list_methods(kind: Optional[str] = None) -> list:

@@ -8,9 +8,14 @@ Overlong reward shaping, for a response of length ``L``, budget ``L_max`` and ca
 so it ramps linearly from 0 at ``L = L_max - C`` to ``-factor`` at ``L = L_max`` (and keeps
 falling beyond, should a longer response ever reach it). It is *added* to the reward.
 
-Dynamic sampling keeps only groups whose rewards are not all equal: such a group has zero
-group-normalised advantage everywhere and so contributes no gradient. A singleton group is
-"all equal" and is dropped too (as verl's std == 0 test does).
+Dynamic sampling drops the groups whose rewards are all equal: such a group has zero
+group-normalised advantage everywhere and so contributes no gradient. A singleton group (one
+response) is kept, as verl's DAPO recipe keeps it (``recipe/dapo/dapo_ray_trainer.py``: a
+prompt is kept when ``std > 0 or len(vals) == 1``; the later ``keep_mixed_reward`` filter also
+"always keeps single samples"): verl's GRPO gives a singleton mean 0 and std 1, so its
+advantage is its reward. ``keep_singletons=False`` drops them instead: tokencredit's group
+estimators reject a singleton group (a CreditInputError), so a caller filtering for them should
+drop singletons; the trainer never makes one (``rollout.samples_per_prompt >= 2``).
 """
 
 from __future__ import annotations
@@ -53,8 +58,11 @@ def overlong_penalty(lengths, max_len: int, cache_len: int, *, factor: float = 1
     return torch.where(L > expected, pen, torch.zeros_like(L))
 
 
-def dynamic_sampling_filter(rewards, group_ids) -> Tensor:
-    """Bool keep mask ``[B]``: True for responses of groups whose rewards are not all equal."""
+def dynamic_sampling_filter(rewards, group_ids, *, keep_singletons: bool = True) -> Tensor:
+    """Bool keep mask ``[B]``: True for responses of groups whose rewards are not all equal,
+    and (``keep_singletons``, verl's DAPO recipe) of groups of one response."""
+    if not isinstance(keep_singletons, bool):
+        raise ValueError(f"keep_singletons: expected a bool, got {keep_singletons!r}")
     r = _vector(rewards, "rewards")
     g = _vector(group_ids, "group_ids")
     if r.shape != g.shape:
@@ -68,4 +76,7 @@ def dynamic_sampling_filter(rewards, group_ids) -> Tensor:
     r = r.to(torch.float64)
     hi = torch.full((n,), -math.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amax")
     lo = torch.full((n,), math.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amin")
-    return (hi > lo)[inv]
+    keep = hi > lo
+    if keep_singletons:
+        keep |= torch.bincount(inv, minlength=n) == 1
+    return keep[inv]

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..batch import CreditInputError
-from ..registry import PROVENANCE
+from ..provenance import PROVENANCE
 from ._inputs import as_mask, check_finite, check_tensor, clean, compute_dtype
 from .aggregation import aggregate, check_agg_mode
 

@@ -29,15 +29,18 @@ from torch import Tensor
 
 from ..batch import CreditBatch
 from ..ops import masked_fill_zero, masked_mean, masked_sum
-from ..registry import CreditOutput, register_estimator
+from ..registry import CreditOutput, CriticSpec, register_estimator
 
 __all__ = ["GAEConfig", "gae", "gae_advantages", "outcome_token_rewards", "masked_whiten"]
 
 
 @dataclass
 class GAEConfig:
-    gamma: float = 1.0  # verl ppo_trainer.yaml algorithm.gamma (no discount within a response)
-    lam: float = 0.95  # verl ppo_trainer.yaml algorithm.lam
+    gamma: float = 1.0  # verl AlgoConfig.gamma (ppo_trainer.yaml algorithm.gamma): no discount
+    # verl AlgoConfig / ppo_trainer.yaml algorithm.lam = 1.0: with gamma = 1 and the outcome at
+    # the last token, A_t = R - V(h_t) (PACT's actor advantage too). 0.95 is TRL's PPOConfig.lam
+    # (classic-control PPO); pass lam=0.95 for it
+    lam: float = 1.0
     # verl compute_gae_advantage_return always whitens (masked_whiten over the batch), as do
     # OpenAI's and TRL's PPO; kept as the default so "gae" is the PPO baseline people run
     whiten: bool = True
@@ -100,10 +103,24 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float) -> Tensor:
     return centred * torch.rsqrt(var + eps)
 
 
+def gae_critic_loss(head_out: Tensor, *, rewards: Tensor, returns: Tensor, mask: Tensor, weights=None) -> Tensor:
+    """PPO's value loss: token-mean squared error of V(h_t) against the GAE returns A_t + V(h_t)
+    (computed with the pre-update values), over valid tokens; ``weights`` (optional) multiply it."""
+    m = mask.to(head_out.dtype)
+    w = m if weights is None else m * weights.detach().to(head_out.dtype)
+    return (w * (head_out - returns.detach().to(head_out.dtype)) ** 2).sum() / m.sum().clamp_min(1)
+
+
+def _gae_critic(config: "GAEConfig") -> CriticSpec:
+    # a plain value head regressed on the returns; its order relative to the actor does not matter
+    return CriticSpec(transform="identity", loss=gae_critic_loss)
+
+
 @register_estimator(
     "gae",
     config=GAEConfig,
     requires=("values",),
+    critic=_gae_critic,
     provenance="paper",
     summary="PPO's generalised advantage estimation from a critic, outcome reward at the last token",
 )

@@ -20,11 +20,18 @@ Advantages are then normalised separately within O+ and within O- of each group
     "zscore"            A = (r - mean_set r) / (std_set r + norm_eps)
     "none"              A = r
 
-The paper normalises the two sets separately; we could not read its equation. "mean" is our
-reading: it keeps every O+ token positive and every O- token negative (mean +1 and -1 per set
-and group), as the shaping intends. "zscore" is how a public third-party implementation reads
-the paper's equation (mean and population std over the set's token rewards); it does not
-preserve signs (an O+ token with below-average bonus gets negative credit).
+The paper normalises the two sets separately. Its equation was out of our reach (only the
+abstract and introduction); two public third-party implementations read it as a z-score over
+all the token rewards of the set, each token counted once: textpolicy
+(``normalize_gtpo_advantages``, "Eq. 6", population std over the set) and a verl fork
+(``compute_gtpo_advantage``: ``masked_whiten`` over all O+ tokens of the batch, then all O-
+tokens). "zscore" is that reading, per group (the set of a group's O+ / O- tokens, as the
+shaping's sums are per group). It is not the default, deliberately: with binary rewards every
+O+ token shares ``a1 R = a1``, so the z-score removes the outcome term entirely; what is left
+is the entropy bonus centred to mean 0 within each set (measured, docs/methods.md: 42% of O+
+tokens get negative credit, 50% of O- tokens positive, correlation with GRPO's token credit
+0.00). "mean" (default, ours) divides by the set's mean |r|: every O+ token stays positive,
+every O- token negative (mean +1 and -1 per set and group), as the shaping intends.
 
 A group whose responses all fall in one set has no success/failure contrast. With
 ``skip_single_outcome_groups`` (default) it gets 0 credit, as GRPO gives an all-equal group
@@ -55,9 +62,10 @@ class GTPOConfig:
     a2: float = 0.1  # paper (docs/methods.md): weight of the entropy-shaped term
     # paper: guard H ~ 0 in the ratios; 1e-6 bounds 1/H~ at 1e6, safe in float32
     eps: float = 1e-6
-    # our reading of the paper's separate O+/O- normalisation (see module docstring)
+    # ours, deliberately not the paper's z-score (as two public implementations read it): the
+    # z-score drops the outcome term a1 R with binary rewards (module docstring, docs/methods.md)
     normalize: str = "mean"
-    # zscore only: added to the std, as GRPO's eps (verl 1e-6)
+    # zscore only: added to the population std, as GRPO's eps (verl 1e-6)
     norm_eps: float = 1e-6
     # ours: no success/failure contrast in the group -> 0 credit, as under GRPO
     skip_single_outcome_groups: bool = True

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..batch import CreditBatch, CreditInputError
 from ..ops import masked_fill_zero, masked_mean
-from ..registry import CreditOutput, register_estimator
+from ..registry import CreditOutput, CriticSpec, register_estimator
 from .gae import gae_advantages, outcome_token_rewards
 
 __all__ = [
@@ -121,10 +121,24 @@ def rescale_rewards(rewards: Tensor, reward_range=(0.0, 1.0), *, field: str = "r
     return (rewards - lo) / (hi - lo)
 
 
+def _pact_critic(config: PACTConfig) -> CriticSpec:
+    """Sigmoid head trained by BCE on R in [0, 1], after the actor, on the updated actor's pass,
+    samples weighted by the masked per-token ratio pi_new / pi_old."""
+
+    def loss(head_out, *, rewards, returns, mask, weights):
+        return pact_critic_loss(head_out, rewards, mask, weights, reward_range=config.reward_range)
+
+    def is_weights(new_logprobs, old_logprobs, mask):
+        return pact_critic_is_weights(new_logprobs, old_logprobs, mask, low=config.is_low, high=config.is_high)
+
+    return CriticSpec(transform="sigmoid", loss=loss, after_actor=True, is_weights=is_weights)
+
+
 @register_estimator(
     "pact",
     config=PACTConfig,
     requires=("values",),
+    critic=_pact_critic,
     provenance="paper",
     summary="critic of the current policy (BCE on R in [0, 1]); advantage R - V(h_t) "
     "(GAE gamma = lam = 1) or token credit V(h_{t+1}) - V(h_t)",

@@ -1,0 +1,146 @@
+"""The plan: what a trainer must run for a credit spec, derived from the methods' declarations.
+
+Every method declares, in its own file (``registry``): the CreditBatch fields it reads
+(``requires``), an oracle pass (``oracle``), a critic (``critic``), whether it needs a LoRA
+adapter (``needs_adapter``) and the loss aggregation of its paper (``loss_defaults``). This
+module turns a :class:`~tokencredit.spec.CreditPipeline` into the minimal set of forward passes,
+each computed once and shared by every signal it serves:
+
+    pass          model                               gives
+    policy        the policy, no grad                 logprobs, entropy, mode_prob, hidden states
+    adapter_off   the policy with its adapter off      ref_logprobs (LoRA reference), hidden (ARCA)
+    reference     a separate frozen reference model    ref_logprobs
+    oracle        the policy or a teacher, on the      oracle_logprobs
+                  oracle prompt or the student's own
+    critic        a value head on the policy's hidden  values
+
+A trainer knows passes, never method names: ``tests/test_plan.py`` registers a method from
+outside the package and runs it through both trainers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import FrozenSet, Optional, Tuple
+
+from .registry import CriticSpec, OraclePass
+from .spec import CreditPipeline
+
+__all__ = ["SignalPlan", "PlanError", "plan_signals"]
+
+#: the signals of the policy's own no-grad pass
+POLICY_SIGNALS = ("logprobs", "entropy", "mode_prob")
+
+
+class PlanError(ValueError):
+    """A spec whose declared needs this setting cannot meet (one line: what, expected, got)."""
+
+
+@dataclass(frozen=True)
+class SignalPlan:
+    """The passes one step needs. ``signals`` are the CreditBatch fields to fill."""
+
+    signals: FrozenSet[str]
+    policy: Tuple[str, ...]  # signals of the policy pass ("logprobs", "entropy", "mode_prob")
+    policy_hidden: bool  # the policy pass keeps its final hidden states (critic, ARCA)
+    adapter_off: Tuple[str, ...]  # ("logprobs", "hidden") subset: the adapter-off pass's outputs
+    reference: bool  # a separate reference model scores the batch
+    oracle: Optional[OraclePass]
+    critic: Optional[CriticSpec]
+
+    @property
+    def passes(self) -> Tuple[str, ...]:
+        """The passes in the order a trainer runs them (for logs and tests)."""
+        out = []
+        if self.policy or self.policy_hidden:
+            out.append("policy")
+        if self.adapter_off:
+            out.append("adapter_off")
+        if self.reference:
+            out.append("reference")
+        if self.oracle is not None:
+            out.append("oracle")
+        if self.critic is not None:
+            out.append("critic")
+        return tuple(out)
+
+    def with_signals(self, extra) -> "SignalPlan":
+        """The same plan computing more signals (a saved eval batch carries every signal the
+        trainer can give); the extra oracle pass uses the estimator's declaration when it has
+        one, else a self-oracle on the default oracle prompt."""
+        return _build(self.signals | frozenset(extra), self.oracle, self.critic, lora=self._lora,
+                      explicit_reference=self._explicit_reference)
+
+    # filled in by plan_signals (not part of the public plan)
+    _lora: bool = False
+    _explicit_reference: bool = False
+
+
+def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool) -> SignalPlan:
+    signals = frozenset(signals)
+    policy = tuple(s for s in POLICY_SIGNALS if s in signals)
+    needs_ref = "ref_logprobs" in signals
+    # the LoRA reference is the adapter-off pass (the initial policy) unless a reference model
+    # is named; without an adapter a frozen copy (or the named model) is the reference
+    ref_from_adapter = needs_ref and lora and not explicit_reference
+    adapter_off = tuple(
+        x for x, on in (("logprobs", ref_from_adapter), ("hidden", "hidden_residual" in signals)) if on
+    )
+    if "oracle_logprobs" in signals and oracle is None:
+        from .methods.opd import oracle_pass, DEFAULT_ORACLE_TEMPLATE
+
+        oracle = oracle_pass("self", DEFAULT_ORACLE_TEMPLATE, teacher_sees_oracle_prompt=True)
+    return SignalPlan(
+        signals=signals,
+        # the policy pass always gives log-probs (the loss's old log-probs come from it)
+        policy=(("logprobs",) + tuple(p for p in policy if p != "logprobs")) if signals else (),
+        policy_hidden="values" in signals or "hidden_residual" in signals,
+        adapter_off=adapter_off,
+        reference=needs_ref and not ref_from_adapter,
+        oracle=oracle if "oracle_logprobs" in signals else None,
+        critic=critic if "values" in signals else None,
+        _lora=lora,
+        _explicit_reference=explicit_reference,
+    )
+
+
+def plan_signals(
+    credit: CreditPipeline,
+    *,
+    lora: bool,
+    kl: bool = False,
+    explicit_reference: bool = False,
+    teacher: bool = False,
+) -> SignalPlan:
+    """The passes a step of ``credit`` needs under this setting.
+
+    lora: the policy carries a LoRA adapter. kl: the loss has a KL term (needs ref_logprobs).
+    explicit_reference: a reference model was named or given (it wins over the adapter-off pass).
+    teacher: a teacher model was given. Raises :class:`PlanError` when a declared need cannot be
+    met (an adapter-reading method without LoRA, a teacher-scored pass without a teacher).
+    """
+    signals = set(credit.required_signals)
+    if kl:
+        signals.add("ref_logprobs")
+    oracle = critic = None
+    for m in credit.methods:
+        cfg = credit.configs[m.name]
+        if m.needs_adapter and not lora:
+            raise PlanError(
+                f"credit '{credit.name}': {m.name} reads the LoRA adapter's effect; expected a model with a LoRA "
+                f"adapter (--model.lora), got one without"
+            )
+        if m.oracle is not None and "oracle_logprobs" in m.requires:
+            o = m.oracle(cfg)
+            if o is not None:
+                if oracle is not None and o != oracle:
+                    raise PlanError(f"credit '{credit.name}': two methods declare different oracle passes")
+                oracle = o
+        if m.critic is not None and "values" in m.requires:
+            critic = m.critic(cfg)
+    if oracle is not None and oracle.scorer == "teacher" and not teacher:
+        raise PlanError(
+            f"credit '{credit.name}': its oracle pass is scored by a teacher (oracle='teacher'); expected a "
+            f"teacher model (model.teacher), got none"
+        )
+    return _build(signals, oracle, critic, lora=lora, explicit_reference=explicit_reference)
