@@ -98,14 +98,50 @@ def test_oracle_prompt_fills_template_in_one_pass():
 # ---- the recursion -------------------------------------------------------------------
 
 
-def test_hand_computed_recursion_with_a_hole_and_padding():
+PROB = dict(form="probability", anchor="off")  # the earlier reconstruction, unanchored
+RAW = dict(anchor="off")  # the default log-odds recursion, unanchored
+
+
+def test_default_is_the_log_odds_recursion_with_anchoring():
+    cfg = OPPOConfig()
+    assert (cfg.form, cfg.anchor) == ("log_odds", "flip")
+
+
+def test_hand_computed_log_odds_recursion_with_a_hole_and_padding():
+    nan = float("nan")
+    mask = [[1, 1, 1, 0], [1, 0, 1, 0]]
+    logp = [[-1.0, -1.0, -1.0, nan], [-1.0, nan, -2.0, nan]]
+    # evidence e = log-odds increments: row 0 log 3, -log 1.5, log 5; row 1 log 3, (hole), log 7
+    oracle = [[-1.0 + L(3.0), -1.0 - L(1.5), -1.0 + L(5.0), nan], [-1.0 + L(3.0), 5.0, -2.0 + L(7.0), nan]]
+    batch = _batch(mask, [1.0, 0.0], logp, oracle)
+    out = oppo(batch, OPPOConfig(evidence_clip=math.inf, **RAW))
+    # prior 0.5 = odds 1. Row 0 odds 1 -> 3 -> 2 -> (10, final belief 10/11) -> V := R = 1:
+    # V 0.5 -> 3/4 -> 2/3 -> 1. Row 1 odds 1 -> 3 -> (hole) -> (21, belief 21/22) -> V := R = 0.
+    expect = torch.tensor([[0.25, 2 / 3 - 0.75, 1 / 3, 0.0], [0.25, 0.0, -0.75, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(out.advantages, expect)
+    assert out.metrics["oppo/prior_mean"] == pytest.approx(0.5)
+    assert out.metrics["oppo/final_belief_mean"] == pytest.approx((10 / 11 + 21 / 22) / 2)
+    assert out.metrics["oppo/final_belief_brier"] == pytest.approx(((1 - 10 / 11) ** 2 + (21 / 22) ** 2) / 2)
+    # |A| on the last token: row 0 (1/3) / (1/4 + 1/12 + 1/3), row 1 0.75 / 1
+    assert out.metrics["oppo/last_token_credit_share"] == pytest.approx((0.5 + 0.75) / 2)
+    # the probability form on the same evidence: 0.5 -> clamp(1.5) = 0.999 -> 0.666 -> R = 1
+    prob = oppo(batch, OPPOConfig(evidence_clip=math.inf, **PROB)).advantages
+    assert prob[0, 0].item() == pytest.approx(0.499)
+    assert prob[0, 1].item() == pytest.approx(0.999 / 1.5 - 0.999)
+    # a clip at log 2 binds on log 3 (both rows), log 5 and log 7: row 0 odds 1 -> 2 -> 4/3 -> R
+    clipped = oppo(batch, OPPOConfig(evidence_clip=L(2.0), **RAW))
+    torch.testing.assert_close(clipped.advantages[0, :2], torch.tensor([2 / 3 - 0.5, 4 / 7 - 2 / 3], dtype=torch.float64))
+    assert clipped.metrics["oppo/clip_frac"] == pytest.approx(4 / 5)
+
+
+def test_hand_computed_probability_form_with_a_hole_and_padding():
     nan = float("nan")
     mask = [[1, 1, 1, 0], [1, 0, 1, 0]]
     logp = [[-1.0, -1.0, -1.0, nan], [-1.0, nan, -2.0, nan]]
     # evidence e = oracle - logp: row 0 ratios 1.2, 0.5, 3; row 1 ratio 1.5, (hole), 2
     oracle = [[-1.0 + L(1.2), -1.0 + L(0.5), -1.0 + L(3.0), nan], [-1.0 + L(1.5), 5.0, -2.0 + L(2.0), nan]]
     batch = _batch(mask, [1.0, 0.0], logp, oracle)
-    out = oppo(batch, OPPOConfig(evidence_clip=math.inf))
+    out = oppo(batch, OPPOConfig(evidence_clip=math.inf, **PROB))
     # prior 0.5; row 0: 0.5 -> 0.6 -> 0.3 -> R = 1; row 1: 0.5 -> 0.75 -> (hole) -> R = 0
     expect = torch.tensor([[0.1, -0.3, 0.7, 0.0], [0.25, 0.0, -0.75, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(out.advantages, expect)
@@ -116,34 +152,44 @@ def test_hand_computed_recursion_with_a_hole_and_padding():
     assert out.metrics["oppo/belief_bound_frac"] == pytest.approx(1 / 5)
     # a clip just under log 2 binds on |log 0.5|, log 3 and log 2 (3 of 5 tokens) but moves the
     # belief by ~1e-9 only: the last two are overwritten by the terminal V := R
-    clipped = oppo(batch, OPPOConfig(evidence_clip=L(2.0) - 1e-9))
+    clipped = oppo(batch, OPPOConfig(evidence_clip=L(2.0) - 1e-9, **PROB))
     torch.testing.assert_close(clipped.advantages, expect, atol=1e-8, rtol=0)
     assert clipped.metrics["oppo/clip_frac"] == pytest.approx(3 / 5)
     # a clip at log 1.3 binds on row 0's second token: 0.6 / 1.3 instead of 0.3
-    tight = oppo(batch, OPPOConfig(evidence_clip=L(1.3))).advantages
+    tight = oppo(batch, OPPOConfig(evidence_clip=L(1.3), **PROB)).advantages
     assert tight[0, 1].item() == pytest.approx(0.6 / 1.3 - 0.6)
     assert tight[0].sum().item() == pytest.approx(0.5)
 
 
-def test_first_order_forms_hand_case():
-    mask = [[1, 1], [1, 1]]
-    logp = [[-1.0, -1.0], [-1.0, -1.0]]
-    oracle = [[-1.0 + L(1.2), -1.0 + L(0.5)], [-1.0, -1.0 + L(2.0)]]
-    batch = _batch(mask, [1.0, 0.0], logp, oracle)
-    e = torch.tensor([[L(1.2), L(0.5)], [0.0, L(2.0)]], dtype=torch.float64)
-    # without accumulation the state weight is the prior's: V_0 (1 - V_0) = 0.25 everywhere
-    sw = oppo(batch, OPPOConfig(accumulate=False, state_weight=True)).advantages
-    torch.testing.assert_close(sw, 0.25 * e)
-    # both on: the exact increments, 0.5 -> 0.6 -> R = 1 and 0.5 -> 0.5 -> R = 0
-    full = oppo(batch, OPPOConfig()).advantages
-    torch.testing.assert_close(full, torch.tensor([[0.1, 0.4], [0.0, -0.5]], dtype=torch.float64))
+def test_first_order_forms_are_the_source_linearisations():
+    # prior 0.25, where the two weights differ: V(1 - V) = 0.1875, V = 0.25
+    mask = [[1, 1]] * 4
+    logp = [[-1.0, -1.0]] * 4
+    oracle = [[-1.0 + L(1.2), -1.0 + L(0.5)], [-1.0, -1.0 + L(2.0)], [-1.0, -1.0], [-1.0, -1.0]]
+    batch = _batch(mask, [1.0, 0.0, 0.0, 0.0], logp, oracle)
+    e = torch.tensor([[L(1.2), L(0.5)], [0.0, L(2.0)], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    v0 = 0.25
+    # the digest's first order A_t ~ V (1 - V) log lambda_t; without accumulation V = V_0
+    lo = oppo(batch, OPPOConfig(accumulate=False, **RAW)).advantages
+    torch.testing.assert_close(lo, v0 * (1 - v0) * e)
+    # the probability form V_t = V_{t-1} exp(e_t) linearises to V e_t
+    pr = oppo(batch, OPPOConfig(accumulate=False, **PROB)).advantages
+    torch.testing.assert_close(pr, v0 * e)
+    # the first order is the linearisation of the recursion in use: small evidence, exact
+    # first increment / first-order credit -> 1 (and not for the other form's weight)
+    small = _batch(mask, [1.0, 0.0, 0.0, 0.0], logp, [[-1.0 + 1e-5, -1.0]] + [[-1.0, -1.0]] * 3)
+    for raw in (RAW, PROB):
+        exact = oppo(small, OPPOConfig(**raw)).advantages[0, 0].item()
+        first = oppo(small, OPPOConfig(accumulate=False, **raw)).advantages[0, 0].item()
+        assert exact / first == pytest.approx(1.0, abs=1e-4)
 
 
 @settings(max_examples=30, deadline=None)
 @given(batch=oppo_batches(), prior=st.sampled_from(["group_mean", "leave_one_out"]),
-       clip=st.sampled_from([0.5, 5.0, math.inf]), eps=st.sampled_from([1e-3, 0.1]), extra=st.integers(0, 3))
-def test_credits_telescope_to_outcome_minus_prior(batch, prior, clip, eps, extra):
-    cfg = OPPOConfig(prior=prior, evidence_clip=clip, eps=eps)
+       clip=st.sampled_from([0.5, 5.0, math.inf]), eps=st.sampled_from([1e-3, 0.1]), extra=st.integers(0, 3),
+       form=st.sampled_from(["log_odds", "probability"]))
+def test_credits_telescope_to_outcome_minus_prior(batch, prior, clip, eps, extra, form):
+    cfg = OPPOConfig(prior=prior, evidence_clip=clip, eps=eps, form=form, anchor="off")
     padded = pad_batch(batch, extra) if extra else batch
     adv = oppo(padded, cfg).advantages
     assert torch.isfinite(adv).all()
@@ -160,7 +206,7 @@ def test_credits_telescope_to_outcome_minus_prior(batch, prior, clip, eps, extra
 def test_belief_stays_in_eps_band(batch, eps, scale):
     e = torch.where(batch.mask, scale * (batch.oracle_logprobs - batch.logprobs), torch.zeros_like(batch.logprobs))
     v0 = torch.rand(batch.batch_size, dtype=e.dtype).clamp(eps, 1 - eps)
-    before, after = belief_trajectory(v0, e, batch.mask, eps)
+    before, after = belief_trajectory(v0, e, batch.mask, eps, "probability")
     for v in (before, after):
         assert torch.isfinite(v).all()
         assert (v >= eps).all() and (v <= 1 - eps).all()
@@ -169,26 +215,46 @@ def test_belief_stays_in_eps_band(batch, eps, scale):
 
 
 @settings(max_examples=30, deadline=None)
+@given(batch=oppo_batches(), scale=st.sampled_from([1.0, 50.0]))
+def test_log_odds_belief_is_a_sigmoid_of_the_summed_evidence(batch, scale):
+    e = scale * (batch.oracle_logprobs - batch.logprobs)
+    e = torch.where(batch.mask, e, torch.full_like(e, float("nan")))  # padding must never be read
+    v0 = torch.rand(batch.batch_size, dtype=e.dtype, generator=torch.Generator().manual_seed(0)).clamp(0.01, 0.99)
+    before, after = belief_trajectory(v0, e, batch.mask, 1e-3, "log_odds")
+    # a direct loop over l_t = l_{t-1} + e_t
+    lo = torch.logit(v0)
+    for t in range(e.shape[1]):
+        torch.testing.assert_close(before[:, t], torch.sigmoid(lo))
+        lo = torch.where(batch.mask[:, t], lo + torch.nan_to_num(e[:, t]), lo)
+        torch.testing.assert_close(after[:, t], torch.sigmoid(lo))
+    assert torch.isfinite(after).all() and ((after >= 0) & (after <= 1)).all()
+    assert torch.equal(before[:, 1:], after[:, :-1])  # exact telescoping
+
+
+@settings(max_examples=30, deadline=None)
 @given(batch=oppo_batches(), clip=st.sampled_from([0.3, 2.0, math.inf]), accumulate=st.booleans())
 def test_equals_opd_without_state_weight(batch, clip, accumulate):
-    a = oppo(batch, OPPOConfig(accumulate=accumulate, state_weight=False, evidence_clip=clip)).advantages
+    a = oppo(batch, OPPOConfig(accumulate=accumulate, state_weight=False, evidence_clip=clip, anchor="off")).advantages
     b = opd(batch, OPDConfig(clip=None if math.isinf(clip) else clip)).advantages
     assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["zero", "flip"])
 @settings(max_examples=30, deadline=None)
-@given(batch=oppo_batches(), accumulate=st.booleans(), state_weight=st.booleans())
-def test_anchoring_agrees_with_the_outcome_direction(mode, batch, accumulate, state_weight):
-    kw = dict(accumulate=accumulate, state_weight=state_weight)
-    free = oppo(batch, OPPOConfig(**kw)).advantages
+@given(batch=oppo_batches(), accumulate=st.booleans(), state_weight=st.booleans(),
+       form=st.sampled_from(["log_odds", "probability"]))
+def test_anchoring_agrees_with_the_outcome_direction(mode, batch, accumulate, state_weight, form):
+    kw = dict(accumulate=accumulate, state_weight=state_weight, form=form)
+    free_out = oppo(batch, OPPOConfig(anchor="off", **kw))
+    free = free_out.advantages
     out = oppo(batch, OPPOConfig(anchor=mode, **kw))
     adv = out.advantages
     s = torch.sign(_seq_adv(batch)).unsqueeze(1).expand_as(adv)
     nz = adv != 0
     assert (torch.sign(adv[nz]) == s[nz]).all()
     assert (adv[s == 0] == 0).all()  # no outcome direction -> no credit
-    assert out.metrics["oppo/sign_agree_frac"] == 1.0
+    # the metric reports the oracle's own agreement, before anchoring forces it
+    assert out.metrics["oppo/sign_agree_frac"] == free_out.metrics["oppo/sign_agree_frac"]
     if mode == "zero":
         keep = torch.sign(free) == s
         assert torch.equal(adv[keep], free[keep])
@@ -267,7 +333,8 @@ def test_wrong_shape_rejected():
     ({"evidence_clip": 0.0}, "evidence_clip"), ({"evidence_clip": -1}, "evidence_clip"),
     ({"eps": 0.0}, "eps"), ({"eps": 0.5}, "eps"), ({"prior": "batch"}, "prior"),
     ({"accumulate": 1}, "accumulate"), ({"state_weight": "yes"}, "state_weight"),
-    ({"anchor": "on"}, "anchor"), ({"oracle": "gpt"}, "oracle"), ({"oracle_template": 3}, "oracle_template"),
+    ({"anchor": "on"}, "anchor"), ({"anchor": False}, "quote it"), ({"oracle": "gpt"}, "oracle"),
+    ({"oracle_template": 3}, "oracle_template"), ({"form": "logit"}, "form"),
 ])
 def test_oppo_config_out_of_range(kw, field):
     with pytest.raises(ValueError, match=field):

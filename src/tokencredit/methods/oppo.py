@@ -1,121 +1,96 @@
 """OPPO (Oracle-Prompted Policy Optimization): the oracle log-ratio as a Bayesian belief update.
 
 Evidence from one extra forward pass of an oracle O that sees the reference answer
-(x+ = x plus the answer, :func:`oracle_prompt`), on the policy's own tokens:
+(x+ = x plus the answer, :func:`oracle_prompt`), on the policy's own tokens, and the belief
+recursion in log-odds form (``form="log_odds"``, the default):
 
     e_t     = clip(log pi_O(y_t | x+, y_<t) - log pi_theta(y_t | x, y_<t), -c, c)   detached
-    V_0     = clip(prior success rate of the group, eps, 1 - eps)
-    V_t     = clip(V_{t-1} * exp(e_t), eps, 1 - eps)          over valid tokens (holes skipped)
-    V_last  := R                                              at the last valid token, R in [0, 1]
-    A_t     = V_t - V_{t-1}                                   (accumulate and state_weight on)
+    V_0     = clip(prior success rate of the group, eps, 1 - eps),   l_0 = logit(V_0)
+    l_t     = l_{t-1} + e_t,   V_t = sigmoid(l_t)                    over valid tokens (holes skipped)
+    V_last  := R                                                     at the last valid token, R in [0, 1]
+    A_t     = V_t - V_{t-1}                                          (accumulate and state_weight on)
+    A_t     := |A_t| sign(R - mean_g R)                              direction anchoring (anchor="flip")
 
-Bayes' rule P(S | h_t) = P(S | h_{t-1}) pi(y_t | h_{t-1}, S) / pi(y_t | h_{t-1}), with the
-success-conditioned policy pi(. | S) approximated by the oracle-prompted model, gives the
-update; V_t is then a running success probability and the credits telescope,
-``sum_t A_t = R - V_0`` for every response with a valid token.
+The credits telescope, ``sum_t A_t = R - V_0`` for every response with a valid token (before
+anchoring). To first order A_t ~ V_{t-1}(1 - V_{t-1}) e_t: the discrimination signal e_t times a
+state weight that is largest where success is most uncertain. When ``accumulate`` and
+``state_weight`` are not both on, that first-order form, the linearisation of the recursion, is
+the advantage:
 
-To first order A_t ~ V_{t-1}(1 - V_{t-1}) e_t: a discrimination signal e_t times a state weight
-that is largest where success is most uncertain. When ``accumulate`` and ``state_weight`` are
-not both on, that first-order form is used:
+    A_t = g_t * e_t,   g_t = V_0 (1 - V_0)   if state_weight (log-odds form; V_0 in the probability form)
+                       g_t = 1               otherwise, so A_t = e_t, the OPD reward (``opd.py``)
 
-    A_t = g_t * e_t,   g_t = V_{t-1}(1 - V_{t-1})  if state_weight  (V from the recursion if
-                                                                     accumulate, else V_0)
-                       g_t = 1                     otherwise
+``form="probability"`` is the earlier reconstruction, kept as a labelled option:
+V_t = clip(V_{t-1} exp(e_t), eps, 1 - eps), whose linearisation is V_{t-1} e_t.
 
-so with ``state_weight=False`` the advantage is exactly e_t, the OPD reward (``opd.py``).
-
-Direction anchoring (``anchor``) forces sign(A_t) = sign(A_b), A_b = R - mean_g R: "zero"
-zeroes the tokens that disagree, "flip" uses |A_t| sign(A_b). Where A_b = 0 (the response is
-at its group's mean, e.g. all rewards equal) there is no outcome direction to anchor to and
-every token gets 0 credit, as under GRPO. Anchoring breaks the telescoping sum.
+Direction anchoring (``anchor``) forces sign(A_t) = sign(A_b), A_b = R - mean_g R: "flip" uses
+|A_t| sign(A_b), "zero" zeroes the tokens that disagree. Where A_b = 0 (the response is at its
+group's mean, e.g. all rewards equal) there is no outcome direction to anchor to and every token
+gets 0 credit, as under GRPO. Anchoring breaks the telescoping sum.
 
 Provenance: the claims (Bayesian-update reading, running success probability, factorisation,
-OPD as the self-oracle special case) are the paper's abstract; the recursion, the clips, the
-prior, the terminal condition, the anchoring modes and the oracle template are a
-**reconstruction** (docs/methods.md, section OPPO), not the authors' exact algorithm.
+OPD as the self-oracle special case) are the paper's abstract; the log-odds recursion and its
+first order are from a third-party digest of the paper's method section; direction anchoring
+and evidence clipping are named in the paper's recipe. The clip values, the prior, the terminal
+condition, the anchoring modes' exact form and the oracle template are a **reconstruction**
+(docs/methods.md, section OPPO), not the authors' exact algorithm.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..batch import CreditBatch, CreditInputError
-from ..diagnostics import sign_agreement
+from ..ops import sign_agreement
 from ..ops import group_mean, groups_of, masked_fill_zero, masked_mean
 from ..registry import CreditOutput, register_estimator
-from .opd import distillation_evidence
+from .opd import DEFAULT_ORACLE_TEMPLATE, _check_template, distillation_evidence, oracle_pass, oracle_prompt
 
 __all__ = ["OPPOConfig", "oppo", "oracle_prompt", "belief_trajectory", "DEFAULT_ORACLE_TEMPLATE"]
-
-# reconstructed (docs/methods.md: "x+ = x plus the reference answer, a documented template"). The
-# answer is given as privileged context and the model is still asked to reason, so that the
-# oracle scores the policy's reasoning tokens as a success-conditioned policy would.
-DEFAULT_ORACLE_TEMPLATE = (
-    "{prompt}\n\n"
-    "(A correct final answer to this problem is: {answer}. "
-    "Reason step by step toward it.)"
-)
-
-_PLACEHOLDER = re.compile(r"\{(prompt|answer)\}")
 
 # the concentration metric reports the |A| mass on the top 1/_TOP_DIVISOR of a trajectory's
 # tokens (10 %), rounded up; integer arithmetic avoids ceil(30 * 0.1) = 4 in floating point
 _TOP_DIVISOR = 10
 
 
-def _check_template(template: object, where: str) -> None:
-    if not isinstance(template, str):
-        raise ValueError(f"{where}: expected a string with {{prompt}} and {{answer}}, got {type(template).__name__}")
-    for key in ("{prompt}", "{answer}"):
-        if key not in template:
-            raise ValueError(f"{where}: expected the placeholder {key} in the template, got {template!r}"[:300])
-
-
-def oracle_prompt(prompt: str, answer: str, template: str = DEFAULT_ORACLE_TEMPLATE) -> str:
-    """The oracle prompt x+: ``template`` with ``{prompt}`` and ``{answer}`` filled in.
-
-    Substitution is a single pass over the template, so braces elsewhere in the template
-    (LaTeX such as ``\\boxed{}``) and placeholders inside the prompt or answer are left as they are.
-    """
-    _check_template(template, "oracle_prompt template")
-    if not isinstance(prompt, str):
-        raise TypeError(f"oracle_prompt prompt: expected str, got {type(prompt).__name__}")
-    if not isinstance(answer, str):
-        answer = str(answer)
-    values = {"prompt": prompt, "answer": answer}
-    return _PLACEHOLDER.sub(lambda mt: values[mt.group(1)], template)
-
-
 @dataclass
 class OPPOConfig:
-    # reconstructed: bounds one token's evidence so that a single tail token (where either model
-    # gives it < e^-5 ~ 0.7 %) cannot alone drive the belief to a bound; serves the claim that the
-    # accumulated ratio is a usable running success probability. math.inf disables the clip.
+    # belief recursion: "log_odds" l_t = l_{t-1} + e_t, V_t = sigmoid(l_t) (a digest of the paper's
+    # method section; its first order is the abstract's "e_t times a state weight V(1 - V)") or
+    # "probability" V_t = clip(V_{t-1} exp(e_t), eps, 1 - eps) (our earlier reconstruction)
+    form: str = "log_odds"
+    # "evidence clipping" is named in the paper's recipe; the value is reconstructed: one tail
+    # token (either model gives it < e^-5 ~ 0.7 %) cannot alone move the log-odds by more than 5.
+    # math.inf disables the clip.
     evidence_clip: float = 5.0
-    # reconstructed: keeps V off 0 and 1 (both would be absorbing for a multiplicative update)
-    # and the state weight V(1 - V) >= ~eps
+    # reconstructed: keeps V_0 off 0 and 1 so that l_0 = logit(V_0) is finite (probability form:
+    # also every V_t, since 0 and 1 are absorbing for a multiplicative update)
     eps: float = 1e-3
-    # reconstructed (docs/methods.md: "prior V_0 = group success rate"); "leave_one_out" excludes
-    # the response's own outcome from its prior
+    # reconstructed (research notes: "V_0 the prior (group success rate)"); "leave_one_out"
+    # excludes the response's own outcome from its prior
     prior: str = "group_mean"
     # paper claim "accumulating it gives a running success probability"; off: V stays at V_0
     accumulate: bool = True
     # paper claim "a state weight concentrated on pivotal tokens"; off (with either flag off
     # the first-order form A_t = g_t e_t is used) gives A_t = e_t, the OPD reward
     state_weight: bool = True
-    # docs/methods.md "direction anchoring" option: "off" | "zero" | "flip"
-    anchor: str = "off"
-    # informational for the trainer: which model scores the oracle prompt, the policy itself
-    # ("self", self-oracle, recovers SDPO/OPD) or a frozen stronger model ("teacher")
+    # direction anchoring: the paper's recipe ("GRPO plus direction anchoring and evidence
+    # clipping") and its ablation's most important piece, so on by default; "flip" | "zero" |
+    # "off". "flip" keeps every token's magnitude; "zero" drops the tokens that disagree (about
+    # half of them on mul1). docs/methods.md, OPPO, "Defaults" has the measurement.
+    anchor: str = "flip"
+    # which model scores the oracle prompt: the policy itself ("self", self-oracle, recovers
+    # SDPO/OPD) or a frozen stronger model ("teacher"; a trainer without one refuses the spec)
     oracle: str = "self"
-    # reconstructed: x+ = x plus the reference answer; see DEFAULT_ORACLE_TEMPLATE
+    # reconstructed: x+ = x plus the reference answer; see opd.DEFAULT_ORACLE_TEMPLATE
     oracle_template: str = DEFAULT_ORACLE_TEMPLATE
 
     def __post_init__(self):
+        if self.form not in ("log_odds", "probability"):
+            raise ValueError(f"oppo form: expected 'log_odds' or 'probability', got {self.form!r}")
         c = self.evidence_clip
         if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):
             raise ValueError(f"oppo evidence_clip: expected a number > 0 (math.inf for no clip), got {c!r}")
@@ -127,19 +102,32 @@ class OPPOConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"oppo {name}: expected a bool, got {getattr(self, name)!r}")
         if self.anchor not in ("off", "zero", "flip"):
-            raise ValueError(f"oppo anchor: expected 'off', 'zero' or 'flip', got {self.anchor!r}")
+            # YAML (--credit-args, --config) reads a bare off as False
+            hint = " (YAML reads a bare off as false: quote it, oppo.anchor='\"off\"')" if self.anchor is False else ""
+            raise ValueError(f"oppo anchor: expected 'off', 'zero' or 'flip', got {self.anchor!r}{hint}")
         if self.oracle not in ("self", "teacher"):
             raise ValueError(f"oppo oracle: expected 'self' or 'teacher', got {self.oracle!r}")
         _check_template(self.oracle_template, "oppo oracle_template")
 
 
-def belief_trajectory(v0: Tensor, evidence: Tensor, mask: Tensor, eps: float):
-    """The clipped multiplicative belief recursion over valid tokens.
+def belief_trajectory(v0: Tensor, evidence: Tensor, mask: Tensor, eps: float, form: str = "log_odds"):
+    """The belief recursion over valid tokens.
 
     Returns ``(before, after)``, both [B, T]: ``before[:, t] = V_{t-1}`` (the belief before
     token t, V_0 at the first valid token) and ``after[:, t] = V_t``. At a masked position
     the belief is carried unchanged, so holes and padding do not move it.
+
+    ``form="log_odds"``: l_t = logit(V_0) + sum of e over the valid tokens up to t,
+    V_t = sigmoid(l_t); ``v0`` must lie in (0, 1) and the evidence be finite.
+    ``form="probability"``: V_t = clip(V_{t-1} exp(e_t), eps, 1 - eps).
     """
+    if form == "log_odds":
+        e = torch.where(mask, evidence, torch.zeros_like(evidence))
+        l_after = torch.logit(v0).unsqueeze(1) + e.cumsum(1)
+        # l_{t-1}: the previous column of l_after (l_0 before the first), so that before[:, t]
+        # is after[:, t - 1] bitwise and the credits telescope exactly
+        l_before = torch.cat([torch.logit(v0).unsqueeze(1), l_after[:, :-1]], dim=1)
+        return torch.sigmoid(l_before), torch.sigmoid(l_after)
     v = v0
     before, after = [], []
     for t in range(mask.shape[1]):
@@ -167,10 +155,21 @@ def _top_mass(adv: Tensor, mask: Tensor, divisor: int = _TOP_DIVISOR) -> float:
     return (top[rows] / total[rows]).mean().item()
 
 
+def _last_share(adv: Tensor, mask: Tensor, is_last: Tensor) -> float:
+    """Mean over trajectories with credit of |A_last| / sum_t |A_t|."""
+    a = masked_fill_zero(adv.abs(), mask)
+    total = a.sum(1)
+    rows = total > 0
+    if not bool(rows.any()):
+        return 0.0
+    return ((a * is_last).sum(1)[rows] / total[rows]).mean().item()
+
+
 @register_estimator(
     "oppo",
     config=OPPOConfig,
     requires=("oracle_logprobs", "logprobs"),
+    oracle=lambda c: oracle_pass(c.oracle, c.oracle_template, teacher_sees_oracle_prompt=True),
     provenance="reconstructed",
     summary="oracle-prompted log-ratio accumulated as a Bayesian success belief; credit = belief increments",
     needs_groups=True,
@@ -200,7 +199,7 @@ def oppo(batch: CreditBatch, config: OPPOConfig) -> CreditOutput:
 
     e, raw = distillation_evidence(batch, config.evidence_clip)
     e = e.to(dt)
-    before, after = belief_trajectory(v0, e, m, eps)
+    before, after = belief_trajectory(v0, e, m, eps, config.form)
 
     T = m.shape[1]
     pos = torch.arange(T, device=m.device).unsqueeze(0)
@@ -212,13 +211,16 @@ def oppo(batch: CreditBatch, config: OPPOConfig) -> CreditOutput:
         after_t = torch.where(is_last, r.unsqueeze(1).expand_as(after), after)
         adv = after_t - before
     elif config.state_weight:
-        vb = before if config.accumulate else v0.unsqueeze(1).expand_as(before)
-        adv = vb * (1.0 - vb) * e
+        # without accumulation the belief stays at V_0; the linearisation of the recursion in use
+        v = v0.unsqueeze(1)
+        adv = (v * (1.0 - v) if config.form == "log_odds" else v) * e
     else:
         adv = e
     adv = masked_fill_zero(adv, m)
 
     seq_adv = r - mean_g
+    # how often the oracle's own direction agrees with the outcome (before anchoring forces it)
+    agree = sign_agreement(adv, m, seq_adv)
     if config.anchor != "off":
         s = torch.sign(seq_adv).unsqueeze(1)
         if config.anchor == "zero":
@@ -229,7 +231,7 @@ def oppo(batch: CreditBatch, config: OPPOConfig) -> CreditOutput:
 
     # diagnostics of the belief (always from the accumulated recursion, before V_last := R)
     final = after.gather(1, last.clamp_min(0).unsqueeze(1)).squeeze(1)
-    sw = before * (1.0 - before)
+    sw = before * (1.0 - before) if config.form == "log_odds" else before
     at_bound = m & ((after <= eps) | (after >= 1.0 - eps))
     clip = config.evidence_clip
     clipped = m & (raw.abs() > clip)
@@ -243,7 +245,10 @@ def oppo(batch: CreditBatch, config: OPPOConfig) -> CreditOutput:
         "oppo/final_belief_brier": ((final - r) ** 2)[nonempty].mean().item() if bool(nonempty.any()) else 0.0,
         "oppo/belief_bound_frac": masked_mean(at_bound.to(dt), m).item(),
         "oppo/state_weight_mean": masked_mean(sw, m).item(),
-        "oppo/sign_agree_frac": sign_agreement(adv, m, seq_adv),
+        "oppo/sign_agree_frac": agree,
         "oppo/credit_top10pct_mass": _top_mass(adv, m),
+        # share of a trajectory's |credit| on its last token (the terminal V := R): near 1 when
+        # the evidence does not explain the outcome and the whole outcome lands on that token
+        "oppo/last_token_credit_share": _last_share(adv, m, is_last),
     }
     return CreditOutput(advantages=adv, metrics=metrics)
