@@ -1,47 +1,24 @@
-"""tokencredit in verl: a ``verl.plugins`` entry point, selected by verl's own config keys.
+"""The verl plugin's core: settings, the ``tc_*`` advantage estimators and the policy and value
+losses. Registered on ``import verl`` (see :mod:`tokencredit.integrations.verl`); imports nothing
+of the trainer mode, which builds on it (:mod:`tokencredit.integrations.verl.trainer`).
 
-``pip install tokencredit[verl]`` installs an entry point in the group ``verl.plugins``; verl
-imports it on ``import verl`` in every process (driver, TaskRunner, every Ray worker), so these
-registrations exist wherever verl looks them up. What is registered (checked against verl 0.9.1):
-
-* **advantage estimators** ``tc_grpo``, ``tc_rloo``, ``tc_dr_grpo``: every tokencredit estimator
-  that needs no signal beyond the outcome (``algorithm.adv_estimator=tc_grpo``). verl calls a
-  custom estimator with ``token_level_rewards``, ``response_mask``, ``config`` (the ``algorithm``
-  section) and ``index`` (the prompt uid) only.
-* **policy loss** ``tokencredit`` (``actor_rollout_ref.actor.policy_loss.loss_mode=tokencredit``):
-  applies the calibrators of the credit spec to the advantages of the micro-batch, then calls a
-  verl policy loss (``base_loss_mode``, by default verl's ``vanilla`` PPO clip) on the calibrated
-  advantages, so verl's clip settings, rollout-IS weights and global-batch loss aggregation are
-  kept. verl gives a policy loss ``log_prob`` but no entropy: by itself it runs calibrators that
-  need only log-probs (``surprisal``).
-* **trainer mode** ``tokencredit_sync`` (``trainer.v1.trainer_mode=tokencredit_sync``, defined in
-  :mod:`tokencredit.integrations.verl_trainer`): verl's synchronous PPO trainer, plus (1) it reads
-  the ``tokencredit`` config section, validates it against the rest of the config and uses it in
-  the driver's estimators, and (2) through verl's public ``set_loss_fn`` worker method it
-  installs :func:`tokencredit_ppo_loss`, verl's ``ppo_loss`` wrapped so that the current
-  policy's entropy (``actor.calculate_entropy=True``) and the reference log-probs reach the
-  policy loss. That is what TACO, STARE and the entropy / divergence calibrators need.
+* **advantage estimators** ``tc_<name>`` for every tokencredit estimator. verl calls a custom
+  estimator with ``token_level_rewards``, ``response_mask``, ``config`` (the ``algorithm``
+  section) and ``index`` (the prompt uid) only. An estimator that declares more signals
+  (``entropy``, ``logprobs``, ``oracle_logprobs``, ``values``: GTPO, OPPO, OPD, GAE, PACT) reads
+  them from :func:`driver_signals`, which the trainer mode opens around verl's advantage step with
+  the step batch's signals; without it the estimator raises, naming the trainer mode.
+* **policy loss** ``tokencredit``: the spec's calibrators on the micro-batch's advantages, then a
+  verl policy loss (``base_loss_mode``, by default ``vanilla``) on the calibrated advantages.
+* :func:`tokencredit_ppo_loss` / :func:`tokencredit_value_loss`: verl engine losses (the
+  ``loss_fn`` of ``set_loss_fn``) for the actor (entropy, reference log-probs and the
+  driver-stepped state of stateful methods reach the policy loss) and for a tokencredit critic
+  (the loss the estimator's declared critic is trained with).
 
 Hyperparameters (``tokencredit`` settings: ``spec``, ``base_loss_mode`` and one dict per method)
 come from, in this order: the settings the trainer mode installed from the top-level config
 section ``tokencredit`` (hydra: ``+tokencredit.spec=grpo+taco +tokencredit.taco.lam=0.5``),
 else the environment variable ``TOKENCREDIT_VERL_CONFIG`` (JSON, same keys), else defaults.
-No verl config class accepts unknown keys (``AlgoConfig`` and ``PolicyLossConfig`` reject them),
-hence a section of its own, outside every verl dataclass.
-
-Not supported in verl, and why (a clear error is raised when a spec needs one):
-
-* ``mode_prob`` (ACPO): verl's engines turn logits into log-probs and entropy inside the
-  forward pass; the top-1 probability is never returned to the loss.
-* ``hidden_residual`` (ARCA): verl produces no hidden states anywhere.
-* ``oracle_logprobs`` (OPPO, OPD): needs an extra forward pass on an oracle-prompted input,
-  which verl has no worker method for.
-* ``values`` (tokencredit's GAE, PACT): verl passes critic values only to its own GAE branch,
-  never to a registered estimator. Use verl's ``gae`` estimator (plus ``loss_mode=tokencredit``
-  for calibrators) instead.
-* ``entropy`` in an *estimator* (GTPO): estimators run on the driver without per-token signals.
-* STARE with ``adaptive=True``: its controller must step once per optimisation step from the
-  step's whole batch, while the loss runs per micro-batch on each rank (see ``docs``).
 """
 
 from __future__ import annotations
@@ -59,10 +36,11 @@ import torch
 
 import verl  # on `import verl` this module is loaded while verl/__init__ runs: __version__ is already set
 
-from ..batch import CreditBatch, CreditInputError
-from ..ops import masked_fill_zero
-from ..registry import get_method, list_methods
-from ..spec import CreditPipeline, parse_spec
+from ...batch import CreditBatch, CreditInputError
+from ...ops import masked_fill_zero
+from ...plan import PlanError, plan_signals
+from ...registry import CriticSpec, list_methods
+from ...spec import CreditPipeline, parse_spec
 
 __all__ = [
     "TESTED_VERL_VERSION",
@@ -70,15 +48,21 @@ __all__ = [
     "LOSS_MODE",
     "TRAINER_MODE",
     "ESTIMATOR_PREFIX",
+    "DRIVER_SIGNALS",
     "VerlCreditSettings",
     "estimator_names",
+    "settings_from_dict",
     "settings_from_config",
     "install_settings",
     "current_settings",
-    "calibrate",
     "check_supported",
+    "critic_spec",
+    "driver_signals",
+    "calibrate",
     "tokencredit_policy_loss",
     "tokencredit_ppo_loss",
+    "tokencredit_value_loss",
+    "register",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,14 +75,19 @@ LOSS_MODE = "tokencredit"
 TRAINER_MODE = "tokencredit_sync"
 ESTIMATOR_PREFIX = "tc_"
 
-# Signals no verl code path can deliver to a credit method, with the reason (see module doc).
+# Signals no verl code path delivers to a credit method yet, with the reason.
 UNSUPPORTED_SIGNALS = {
     "mode_prob": "verl's engines compute log-probs and entropy inside the forward pass and never return "
-    "the top-1 probability to the loss",
-    "hidden_residual": "verl produces no hidden states anywhere",
-    "oracle_logprobs": "verl has no worker pass that scores the response after an oracle prompt",
-    "values": "verl passes critic values only to its built-in GAE, never to a registered estimator; "
-    "use algorithm.adv_estimator=gae",
+    "the top-1 probability; the worker-side hook is not implemented yet (docs/integrations.md)",
+    "hidden_residual": "verl's engines return no hidden states; the worker-side adapter-on/off hook is not "
+    "implemented yet (docs/integrations.md)",
+}
+#: signals the trainer mode hands to a driver-side estimator, and the verl pass each comes from
+DRIVER_SIGNALS = {
+    "entropy": "the old-log-prob pass (actor, before the update; verl computes it with calculate_entropy=True)",
+    "logprobs": "the old-log-prob pass (old_log_probs)",
+    "oracle_logprobs": "the oracle pass (the actor's compute_log_prob on the oracle-prompted input)",
+    "values": "verl's critic (critic.enable=True), through the estimator's declared transform",
 }
 # Signals the policy loss can get, and how to get them (for the error message).
 LOSS_SIGNAL_HINTS = {
@@ -220,13 +209,15 @@ def current_settings() -> VerlCreditSettings:
     return _settings_from_env() or VerlCreditSettings()
 
 
+
+
 # -- pipelines (one per process and distinct settings: this is where method state lives) ----
 
 _PIPELINES: Dict[Tuple[str, str], CreditPipeline] = {}
 
 
 def check_supported(pipeline: CreditPipeline) -> None:
-    """Raise for a spec that verl cannot feed (see the module doc for the reasons)."""
+    """Raise for a spec that verl cannot feed (see UNSUPPORTED_SIGNALS for the reasons)."""
     for m in pipeline.methods:
         for sig in sorted(m.requires):
             if sig in UNSUPPORTED_SIGNALS:
@@ -234,19 +225,13 @@ def check_supported(pipeline: CreditPipeline) -> None:
                     f"credit spec '{pipeline.name}': method '{m.name}' needs '{sig}', which the verl integration "
                     f"cannot provide: {UNSUPPORTED_SIGNALS[sig]}"
                 )
-        if m.kind == "estimator" and m.requires:
-            raise ValueError(
-                f"credit spec '{pipeline.name}': estimator '{m.name}' needs {sorted(m.requires)}, but verl calls "
-                f"registered estimators on the driver with outcome rewards, mask and uid only; registered "
-                f"estimators: {sorted(estimator_names())}"
-            )
-    stare = pipeline.configs.get("stare")
-    if stare is not None and stare.adaptive:
-        raise ValueError(
-            "credit spec with stare: adaptive=True is not supported in verl: the controller must step once per "
-            "optimisation step from the step's whole batch, but verl's policy loss runs per micro-batch on each "
-            "rank, so W and M would drift apart across ranks. Use adaptive=False (the reference default)."
-        )
+        if m.kind == "estimator":
+            extra = sorted(set(m.requires) - set(DRIVER_SIGNALS))
+            if extra:
+                raise ValueError(
+                    f"credit spec '{pipeline.name}': estimator '{m.name}' needs {extra}; the trainer mode gives a "
+                    f"verl estimator only {sorted(DRIVER_SIGNALS)}"
+                )
 
 
 def _pipeline(kind: str, spec: str, settings: VerlCreditSettings) -> CreditPipeline:
@@ -260,16 +245,85 @@ def _pipeline(kind: str, spec: str, settings: VerlCreditSettings) -> CreditPipel
     return pipe
 
 
+def critic_spec(settings: VerlCreditSettings) -> Optional[CriticSpec]:
+    """The critic the spec's methods declare (None: no critic), from the plan of the spec."""
+    if settings.spec is None:
+        return None
+    pipe = _pipeline("plan", settings.spec, settings)
+    try:
+        return plan_signals(pipe, lora=False).critic
+    except PlanError:
+        # a teacher-scored oracle: refused by the trainer mode with a verl-specific message
+        return next((m.critic(pipe.configs[m.name]) for m in pipe.methods if m.critic is not None and "values" in m.requires), None)
+
+
+# -- driver-side signals for estimators ----------------------------------------------------
+
+
+@dataclass
+class _DriverSignals:
+    response_mask: torch.Tensor  # [B, T], the rows and padding of the step batch, as verl pads them
+    signals: Dict[str, torch.Tensor]
+
+
+_DRIVER: Optional[_DriverSignals] = None
+
+
+@contextlib.contextmanager
+def driver_signals(response_mask: torch.Tensor, signals: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Make ``signals`` ([B, T] tensors by CreditBatch name, laid out like ``response_mask``) the
+    per-token signals of the estimator call(s) inside the block. The trainer mode opens this
+    around verl's ``_compute_advantage``; the estimator checks that verl's ``response_mask`` is
+    the one given here (same rows, same order, same padding) before it reads a signal."""
+    global _DRIVER
+    bad = [k for k in signals if k not in DRIVER_SIGNALS]
+    if bad:
+        raise ValueError(f"driver_signals: expected signals among {sorted(DRIVER_SIGNALS)}, got {sorted(bad)}")
+    for k, v in signals.items():
+        if tuple(v.shape) != tuple(response_mask.shape):
+            raise CreditInputError(f"{k}: expected shape {tuple(response_mask.shape)} (as response_mask), got {tuple(v.shape)}")
+    prev, _DRIVER = _DRIVER, _DriverSignals(response_mask.detach(), {k: v.detach() for k, v in signals.items()})
+    try:
+        yield
+    finally:
+        _DRIVER = prev
+
+
+def _estimator_signals(name: str, need, response_mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+    ctx = _DRIVER
+    if ctx is None:
+        raise CreditInputError(
+            f"estimator '{name}' needs {sorted(need)}, which verl's advantage step does not pass: set "
+            f"trainer.v1.trainer_mode={TRAINER_MODE} (it computes them on the driver: "
+            + "; ".join(f"{s}: {DRIVER_SIGNALS[s]}" for s in sorted(need)) + ")"
+        )
+    if tuple(ctx.response_mask.shape) != tuple(response_mask.shape) or not torch.equal(
+        ctx.response_mask.bool().cpu(), response_mask.bool().cpu()
+    ):
+        raise CreditInputError(
+            f"response_mask: the driver's signals were laid out for a mask of shape {tuple(ctx.response_mask.shape)}, "
+            f"verl's estimator got another of shape {tuple(response_mask.shape)} (rows reordered or re-padded)"
+        )
+    missing = sorted(s for s in need if s not in ctx.signals)
+    if missing:
+        raise CreditInputError(f"estimator '{name}' needs {missing}; the trainer mode gave only {sorted(ctx.signals)}")
+    out = {}
+    for s in need:
+        v = ctx.signals[s].to(response_mask.device).float()
+        if s == "values":
+            # verl's values[:, t] is V at the state before response token t (the output at the position
+            # that predicts token t) = CreditBatch values[:, t]; the value after the last token is never read
+            v = torch.cat([v, v.new_zeros(v.shape[0], 1)], dim=1)
+        out[s] = v
+    return out
+
+
 # -- advantage estimators ------------------------------------------------------------------
 
 
 def estimator_names() -> Dict[str, str]:
-    """verl estimator name -> tokencredit estimator, for every estimator that needs no signal."""
-    return {
-        ESTIMATOR_PREFIX + n: n
-        for n in list_methods("estimator")
-        if not get_method(n).requires
-    }
+    """verl estimator name -> tokencredit estimator, for every registered estimator."""
+    return {ESTIMATOR_PREFIX + n: n for n in list_methods("estimator")}
 
 
 def _group_ids(index: Any, batch_size: int) -> torch.Tensor:
@@ -311,6 +365,8 @@ def _estimator_settings(name: str, settings: VerlCreditSettings, config: Any) ->
     return dataclasses.replace(settings, configs=configs)
 
 
+
+
 def _make_estimator(name: str):
     def estimator(token_level_rewards, response_mask, config=None, index=None, **unused):
         """verl advantage estimator backed by tokencredit's ``{name}`` (returns (advantages, returns))."""
@@ -324,6 +380,8 @@ def _make_estimator(name: str):
         B = token_level_rewards.shape[0]
         groups = _group_ids(index, B)
         mask = response_mask.bool()
+        need = pipe.estimator.requires
+        signals = _estimator_signals(name, need, response_mask) if need else {}
         # outcome reward = sum over tokens, as verl's own outcome estimators (it includes the
         # per-token KL penalty when algorithm.use_kl_in_reward is on)
         rewards = token_level_rewards.sum(dim=-1)
@@ -331,16 +389,20 @@ def _make_estimator(name: str):
         # sample's uid) would join that group's statistics with reward 0; leave them out.
         keep = mask.any(dim=1)
         adv = torch.zeros_like(token_level_rewards)
+        ret = torch.zeros_like(token_level_rewards)
         if keep.any():
+            k = keep.cpu()
             batch = CreditBatch(
                 response_mask=mask[keep],
                 rewards=rewards[keep].float(),
-                group_ids=groups[keep.cpu()].to(mask.device),
+                group_ids=groups[k].to(mask.device),
+                **{s: v[keep] for s, v in signals.items()},
             )
             out = pipe(batch)
             adv[keep] = out.advantages.to(adv.dtype)
-        # outcome estimators: returns = advantages, as in verl (no critic reads them)
-        return adv, adv
+            # outcome estimators: returns = advantages, as in verl; a critic's estimator gives its targets
+            ret[keep] = (out.returns if out.returns is not None else out.advantages).to(ret.dtype)
+        return adv, ret
 
     estimator.__name__ = f"tokencredit_{name}_estimator"
     estimator.__qualname__ = estimator.__name__
@@ -391,21 +453,25 @@ def calibrate(
     return adv.to(advantages.dtype), metrics
 
 
+
 @dataclass
 class _LossContext:
     settings: VerlCreditSettings
     signals: Dict[str, torch.Tensor]
+    credit_state: Optional[Dict[str, Any]] = None
 
 
 _LOSS_CONTEXT: Optional[_LossContext] = None
 
 
 @contextlib.contextmanager
-def _loss_context(settings: VerlCreditSettings, signals: Dict[str, torch.Tensor]) -> Iterator[None]:
+def _loss_context(
+    settings: VerlCreditSettings, signals: Dict[str, torch.Tensor], credit_state: Optional[Dict[str, Any]] = None
+) -> Iterator[None]:
     # verl's loss signature has no slot for extra signals; the wrapper hands them over for the
     # duration of one call (the engine computes micro-batch losses one after another)
     global _LOSS_CONTEXT
-    prev, _LOSS_CONTEXT = _LOSS_CONTEXT, _LossContext(settings, signals)
+    prev, _LOSS_CONTEXT = _LOSS_CONTEXT, _LossContext(settings, signals, credit_state)
     try:
         yield
     finally:
@@ -432,6 +498,16 @@ def tokencredit_policy_loss(
             f"trainer.v1.trainer_mode={TRAINER_MODE}, or ${ENV_VAR}='{{\"spec\": \"grpo+surprisal\"}}'"
         )
     pipe = _pipeline("loss", settings.spec, settings)
+    if pipe.states:
+        # a stateful method (STARE's controller) steps once per step on the driver, from the step's
+        # pre-update batch; the trainer mode ships the stepped state with the loss function
+        state = ctx.credit_state if ctx is not None else None
+        if state is None:
+            raise ValueError(
+                f"credit spec '{pipe.name}' has state {sorted(pipe.states)}, stepped once per step on the driver: "
+                f"set trainer.v1.trainer_mode={TRAINER_MODE} (the policy loss alone has no step boundary)"
+            )
+        pipe.load_state_dict(state)
     signals = {"logprobs": log_prob, "old_logprobs": old_log_prob}
     if ctx is not None:
         signals.update(ctx.signals)
@@ -466,20 +542,75 @@ def loss_signals(model_output: Mapping[str, Any], data: Any) -> Dict[str, torch.
     return out
 
 
-def tokencredit_ppo_loss(config, model_output, data, dp_group=None, *, settings: VerlCreditSettings):
-    """verl's engine loss ``verl.workers.utils.losses.ppo_loss`` with entropy and reference
-    log-probs handed to the ``tokencredit`` policy loss. The trainer mode installs it with
-    ``set_loss_fn(partial(tokencredit_ppo_loss, config=actor_config, settings=...))``."""
+def tokencredit_ppo_loss(
+    config, model_output, data, dp_group=None, *, settings: VerlCreditSettings, credit_state: Optional[Dict[str, Any]] = None
+):
+    """verl's engine loss ``verl.workers.utils.losses.ppo_loss`` with entropy, reference log-probs and
+    the driver-stepped credit state handed to the ``tokencredit`` policy loss. The trainer mode
+    installs it with ``set_loss_fn(partial(tokencredit_ppo_loss, config=actor_config, settings=...,
+    credit_state=...))``, again every step when the spec has state."""
     from verl.workers.utils.losses import ppo_loss
 
-    with _loss_context(settings, loss_signals(model_output, data)):
+    with _loss_context(settings, loss_signals(model_output, data), credit_state):
         return ppo_loss(config, model_output, data, dp_group)
+
+
+#: the TransferQueue field holding the critic's per-token sample weights (after-actor critics)
+CRITIC_WEIGHTS_FIELD = "tc_critic_weights"
+
+
+def tokencredit_value_loss(config, model_output, data, dp_group=None, *, settings: VerlCreditSettings):
+    """verl engine loss for the critic worker: the loss of the critic the spec's estimator
+    declares (``CriticSpec.loss``: PACT's BCE on the [0, 1] reward, GAE's squared error on the
+    returns), on the value model's raw output, with the per-token weights the trainer mode wrote
+    (``tc_critic_weights``: PACT's masked IS weights of the updated actor) when present.
+
+    The outcome reward is ``rm_scores`` summed over tokens (verl's reward, before any KL penalty).
+    Normalised over verl's global mini-batch like verl's own losses: the micro-batch's token mean
+    times its share of the global tokens (``batch_num_tokens``) times ``dp_size``, so the
+    accumulated gradient does not depend on the micro-batch split.
+    """
+    from verl.utils.metric import AggregationType, Metric
+    from verl.utils.torch_functional import masked_mean
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    spec = critic_spec(settings)
+    if spec is None:
+        raise ValueError(f"tokencredit_value_loss: credit spec '{settings.spec}' declares no critic")
+    head_out = no_padding_2_padding(model_output["values"], data)  # [B, T], the head's raw output
+    fields = ["response_mask", "returns", "rm_scores"]
+    if CRITIC_WEIGHTS_FIELD in data.keys():
+        fields.append(CRITIC_WEIGHTS_FIELD)
+    if spec.after_actor and CRITIC_WEIGHTS_FIELD not in fields:
+        raise ValueError(
+            f"credit spec '{settings.spec}': its critic trains after the actor with IS weights, but the batch has no "
+            f"'{CRITIC_WEIGHTS_FIELD}' (set trainer.v1.trainer_mode={TRAINER_MODE})"
+        )
+    padded = data.select(*fields).to_padded_tensor()
+    mask = padded["response_mask"].bool()
+    rewards = padded["rm_scores"].float().sum(dim=-1)
+    weights = padded[CRITIC_WEIGHTS_FIELD] if CRITIC_WEIGHTS_FIELD in fields else None
+    loss = spec.loss(head_out, rewards=rewards, returns=padded["returns"], mask=mask, weights=weights)
+    dp_size, n_global = data["dp_size"], data["batch_num_tokens"]
+    global_norm = n_global is not None
+    if global_norm:
+        loss = loss * mask.sum().to(loss.dtype) / n_global * dp_size
+    values = torch.sigmoid(head_out) if spec.transform == "sigmoid" else head_out
+    agg = AggregationType.SUM if (global_norm or dp_size > 1) else AggregationType.MEAN
+    metrics = {
+        "critic/vf_loss": Metric(value=loss.detach(), aggregation=agg),
+        "critic/vpred_mean": masked_mean(values.detach(), mask).item(),
+    }
+    if weights is not None:
+        metrics["critic/is_weight_kept"] = masked_mean((weights > 0).float(), mask).item()
+    return loss, metrics
 
 
 # -- registration --------------------------------------------------------------------------
 
 
-def _register() -> None:
+def register() -> None:
+    """Register the ``tc_*`` estimators and the ``tokencredit`` policy loss in verl's registries."""
     check_verl_version()
     from verl.trainer.ppo.core_algos import (
         ADV_ESTIMATOR_REGISTRY,
@@ -493,18 +624,3 @@ def _register() -> None:
             register_adv_est(verl_name)(_make_estimator(name))
     if LOSS_MODE not in POLICY_LOSS_REGISTRY:
         register_policy_loss(LOSS_MODE)(tokencredit_policy_loss)
-
-
-try:
-    _register()
-except Exception:
-    # verl logs a failing plugin at debug level only; say it where it will be seen
-    log.error("tokencredit's verl plugin failed to register; tc_* estimators and loss_mode=%s are unavailable", LOSS_MODE, exc_info=True)
-    raise
-
-# The trainer mode imports verl's v1 trainer (about 3 s on a CPU, once per process). A failure
-# there must not take the estimators and the loss down with it, but it must be visible.
-try:
-    from . import verl_trainer  # noqa: F401,E402
-except Exception:
-    log.warning("tokencredit: trainer.v1.trainer_mode=%s is unavailable (import of verl's v1 trainer failed)", TRAINER_MODE, exc_info=True)

@@ -1,0 +1,66 @@
+"""tokencredit in verl: a ``verl.plugins`` entry point, selected by verl's own config keys.
+
+``pip install tokencredit[verl]`` installs an entry point in the group ``verl.plugins``; verl
+imports it on ``import verl`` in every process (driver, TaskRunner, every Ray worker), so these
+registrations exist wherever verl looks them up (checked against verl 0.9.1):
+
+* :mod:`.core`: the advantage estimators ``tc_<name>`` (``algorithm.adv_estimator=tc_grpo``), the
+  policy loss ``tokencredit`` (``actor_rollout_ref.actor.policy_loss.loss_mode=tokencredit``), the
+  settings channel and the engine losses the trainer mode installs;
+* :mod:`.oracle`: the oracle-prompted inputs of OPPO/OPD's oracle pass (driver side, pure);
+* :mod:`.trainer`: the trainer mode ``tokencredit_sync`` (``trainer.v1.trainer_mode=tokencredit_sync``),
+  verl's synchronous PPO trainer plus the passes the spec's methods declare (``tokencredit.plan``).
+
+Dependencies run one way: ``trainer -> oracle, core``; ``core`` and ``oracle`` import nothing of
+the trainer mode, and this package module imports all three.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import core
+from .core import (  # noqa: F401 (re-exported: the plugin's public names and the ones tests reach)
+    CRITIC_WEIGHTS_FIELD,
+    DRIVER_SIGNALS,
+    ENV_VAR,
+    ESTIMATOR_PREFIX,
+    LOSS_MODE,
+    TESTED_VERL_VERSION,
+    TRAINER_MODE,
+    UNSUPPORTED_SIGNALS,
+    VerlCreditSettings,
+    _loss_context,
+    _make_estimator,
+    _pipeline,
+    calibrate,
+    check_supported,
+    check_verl_version,
+    critic_spec,
+    current_settings,
+    driver_signals,
+    estimator_names,
+    install_settings,
+    loss_signals,
+    settings_from_config,
+    settings_from_dict,
+    tokencredit_policy_loss,
+    tokencredit_ppo_loss,
+    tokencredit_value_loss,
+)
+
+log = logging.getLogger(__name__)
+
+try:
+    core.register()
+except Exception:
+    # verl logs a failing plugin at debug level only; say it where it will be seen
+    log.error("tokencredit's verl plugin failed to register; tc_* estimators and loss_mode=%s are unavailable", LOSS_MODE, exc_info=True)
+    raise
+
+# The trainer mode imports verl's v1 trainer (about 3 s on a CPU, once per process). A failure
+# there must not take the estimators and the loss down with it, but it must be visible.
+try:
+    from . import trainer  # noqa: F401,E402
+except Exception:
+    log.warning("tokencredit: trainer.v1.trainer_mode=%s is unavailable (import of verl's v1 trainer failed)", TRAINER_MODE, exc_info=True)

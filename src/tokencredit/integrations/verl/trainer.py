@@ -1,0 +1,391 @@
+"""``trainer.v1.trainer_mode=tokencredit_sync``: verl's synchronous PPO trainer, plus the passes a
+credit spec's methods declare.
+
+Uses only verl 0.9's extension points: ``register_trainer`` (the v1 trainer registry),
+``PPOTrainerSync`` (subclassed: ``__init__``, the ``on_init_end`` hook and the step methods
+``_compute_advantage``, ``_update_critic``, ``_update_actor``, ``_save_checkpoint``,
+``_load_checkpoint`` are extended, each calling verl's own), the workers' public ``set_loss_fn``
+and ``compute_log_prob`` methods, and TransferQueue's ``kv_batch_get`` / ``kv_batch_put``.
+
+What runs is read from the methods' declarations (``tokencredit.plan.plan_signals``), never from
+method names:
+
+* **entropy / log-probs for an estimator** (GTPO): verl's old-log-prob pass computes the
+  per-token entropy (always, ``calculate_entropy=True``) and keeps it in TransferQueue; the trainer
+  reads it back with ``old_log_probs`` and hands both to the ``tc_*`` estimator
+  (``core.driver_signals``).
+* **state** (STARE's adaptive controller): stepped once per step on the driver from the step's
+  pre-update batch (the old-log-prob pass's entropy), before the actor update, then shipped to
+  the actor ranks with the loss function (``set_loss_fn``), so every rank's loss reads the same
+  updated W and M. Saved as ``global_step_N/tokencredit_state.json`` and restored on resume.
+* **oracle pass** (OPPO, OPD): the oracle-prompted inputs are built on the driver
+  (:mod:`.oracle`), written to TransferQueue partition ``tokencredit_oracle`` and scored by the
+  actor's ``compute_log_prob`` (self-oracle); the estimator gets the oracle log-probs.
+* **critic** (PACT, tokencredit's GAE): verl's critic worker (``critic.enable=True``) with the
+  loss the estimator declares installed by ``set_loss_fn`` (``core.tokencredit_value_loss``); its
+  values reach the estimator through the declared transform (PACT: sigmoid). A critic declared
+  ``after_actor`` (PACT) is trained after the actor update, on IS weights computed from a log-prob
+  pass of the *updated* actor (``CriticSpec.is_weights``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from functools import partial
+from typing import Dict, Mapping, Tuple
+
+import torch
+from omegaconf import DictConfig
+
+from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
+
+from ...batch import CreditBatch
+from ...plan import PlanError, SignalPlan, plan_signals
+from ...spec import CreditPipeline
+from .core import (
+    CRITIC_WEIGHTS_FIELD,
+    ESTIMATOR_PREFIX,
+    LOSS_MODE,
+    TRAINER_MODE,
+    VerlCreditSettings,
+    check_supported,
+    check_verl_version,
+    driver_signals,
+    estimator_names,
+    install_settings,
+    settings_from_config,
+    tokencredit_ppo_loss,
+    tokencredit_value_loss,
+)
+from .oracle import oracle_prompt_ids, oracle_samples
+
+__all__ = [
+    "TokenCreditPPOTrainerSync",
+    "check_trainer_config",
+    "trainer_plan",
+    "step_credit_state",
+    "critic_values",
+    "STATE_FILE",
+    "ORACLE_PARTITION",
+]
+
+log = logging.getLogger(__name__)
+
+#: the credit state file in each verl checkpoint folder (global_step_N/)
+STATE_FILE = "tokencredit_state.json"
+#: the TransferQueue partition the oracle inputs live in for the duration of one pass
+ORACLE_PARTITION = "tokencredit_oracle"
+
+
+def _uses_lora(config: DictConfig) -> bool:
+    model = config.actor_rollout_ref.model
+    rank = model.get("lora", {}).get("rank", 0) or model.get("lora_rank", 0)
+    return rank > 0 or model.get("lora_adapter_path") is not None
+
+
+def trainer_plan(config: DictConfig, settings: VerlCreditSettings) -> Tuple[CreditPipeline, SignalPlan]:
+    """The spec's pipeline (the driver's copy, which holds its state) and its plan of passes."""
+    pipe = CreditPipeline(settings.spec, {k: dict(v) for k, v in settings.configs.items()})
+    check_supported(pipe)
+    try:
+        plan = plan_signals(pipe, lora=_uses_lora(config), teacher=False)
+    except PlanError as e:
+        raise ValueError(
+            f"tokencredit.spec '{settings.spec}' in verl: {e}. In verl a teacher-scored oracle is not supported: "
+            f"verl 0.9's reference worker always loads actor_rollout_ref.model, so no worker holds a teacher; use "
+            f"the self-oracle (the method's oracle='self', the default)"
+        ) from None
+    return pipe, plan
+
+
+def check_trainer_config(config: DictConfig) -> VerlCreditSettings:
+    """The settings of a verl config that selects the trainer mode; a clear error when the rest
+    of the config cannot deliver what the credit spec needs."""
+    check_verl_version()
+    settings = settings_from_config(config)
+    if settings.spec is None:
+        raise ValueError(
+            f"trainer.v1.trainer_mode={TRAINER_MODE} needs a credit spec: add +tokencredit.spec=grpo+taco "
+            f"(and per-method keys such as +tokencredit.taco.lam=0.5)"
+        )
+    pipe, plan = trainer_plan(config, settings)
+    algo = config.algorithm.adv_estimator
+    est = pipe.estimator.name
+    if str(algo).startswith(ESTIMATOR_PREFIX) and algo != ESTIMATOR_PREFIX + est:
+        raise ValueError(
+            f"algorithm.adv_estimator={algo} but tokencredit.spec '{settings.spec}' starts with '{est}': "
+            f"set algorithm.adv_estimator={ESTIMATOR_PREFIX}{est}"
+        )
+    if algo not in estimator_names():
+        if pipe.estimator.requires:
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}' starts with '{est}', whose signals the trainer mode computes "
+                f"for its verl estimator: set algorithm.adv_estimator={ESTIMATOR_PREFIX}{est} (it is {algo})"
+            )
+        # verl's own estimator (e.g. gae) + tokencredit's calibrators in the loss: allowed
+        log.warning("tokencredit: algorithm.adv_estimator=%s is verl's; the spec's estimator '%s' is not used", algo, est)
+    actor = config.actor_rollout_ref.actor
+    loss_mode = actor.policy_loss.get("loss_mode", "vanilla")
+    if pipe.calibrators and loss_mode != LOSS_MODE:
+        raise ValueError(
+            f"tokencredit.spec '{settings.spec}' has calibrators {[c.name for c in pipe.calibrators]}, which run in "
+            f"the policy loss: set actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_MODE} (it is {loss_mode})"
+        )
+    # calibrators run in the loss and read the update pass's signals; estimators read the driver's
+    need = set()
+    for c in pipe.calibrators:
+        need |= c.requires
+    # verl's actor computes entropy in the update pass when calculate_entropy or an entropy bonus is on
+    if "entropy" in need and not (actor.get("calculate_entropy", False) or actor.get("entropy_coeff", 0.0) != 0.0):
+        raise ValueError(
+            f"tokencredit.spec '{settings.spec}' needs the policy entropy: set actor_rollout_ref.actor.calculate_entropy=True"
+        )
+    if "ref_logprobs" in need:
+        from verl.trainer.ppo.utils import need_reference_policy
+
+        if not need_reference_policy(config):
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}' needs reference log-probs: enable a reference policy, e.g. "
+                f"actor_rollout_ref.actor.use_kl_loss=True (kl_loss_coef may be 0)"
+            )
+    if plan.critic is not None:
+        from verl.trainer.ppo.utils import need_critic
+
+        if not need_critic(config):
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}' reads a critic's values: set critic.enable=True (verl's critic "
+                f"worker, trained with the loss the method declares)"
+            )
+        if config.algorithm.get("use_kl_in_reward", False):
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}': its critic is trained on the outcome reward itself; "
+                f"set algorithm.use_kl_in_reward=False (use the actor's KL loss instead)"
+            )
+        if plan.critic.after_actor and config.trainer.get("critic_warmup", 0) != 0:
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}': its critic trains after each actor update; set "
+                f"trainer.critic_warmup=0 (it is {config.trainer.critic_warmup})"
+            )
+    rc = config.algorithm.get("rollout_correction", None)
+    if plan.policy and rc is not None and rc.get("bypass_mode", False) and {"entropy"} & set(pipe.estimator.requires):
+        raise ValueError(
+            f"tokencredit.spec '{settings.spec}' needs the old-log-prob pass's entropy, which rollout_correction."
+            f"bypass_mode=True skips"
+        )
+    distillation = config.get("distillation", None)
+    if distillation is not None and distillation.get("enabled", False):
+        raise ValueError(f"trainer.v1.trainer_mode={TRAINER_MODE} does not combine with distillation (it replaces the actor loss)")
+    return settings
+
+
+# -- pure driver-side steps (tested on CPU) -------------------------------------------------
+
+
+def step_credit_state(credit: CreditPipeline, response_mask: torch.Tensor, signals: Mapping[str, torch.Tensor]) -> Dict[str, float]:
+    """One controller step of every stateful method of ``credit`` from the step batch (signals of
+    the pre-update old-log-prob pass); returns the controllers' metrics. Rows are not grouped
+    for this (controllers read batch statistics only)."""
+    mask = response_mask.bool()
+    B = mask.shape[0]
+    batch = CreditBatch(
+        response_mask=mask,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        **{k: v.float() for k, v in signals.items() if k in ("entropy", "logprobs")},
+    )
+    return credit.update_state(batch)
+
+
+def critic_values(plan: SignalPlan, raw_values: torch.Tensor) -> torch.Tensor:
+    """The critic's values as the estimator reads them: the declared transform of the head output."""
+    if plan.critic is None:
+        raise ValueError("critic_values: the plan has no critic")
+    return torch.sigmoid(raw_values.float()) if plan.critic.transform == "sigmoid" else raw_values.float()
+
+
+def save_credit_state(folder: str, credit: CreditPipeline) -> str:
+    path = os.path.join(folder, STATE_FILE)
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"spec": credit.name, "state": credit.state_dict()}, f)
+    return path
+
+
+def load_credit_state(folder: str, credit: CreditPipeline) -> bool:
+    """Restore ``credit``'s state from a checkpoint folder; False (and a warning) without a file."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.exists(path):
+        log.warning("tokencredit: %s has no %s; the credit state starts fresh", folder, STATE_FILE)
+        return False
+    with open(path) as f:
+        d = json.load(f)
+    if d.get("spec") != credit.name:
+        raise ValueError(f"{path}: credit state of spec '{d.get('spec')}', expected '{credit.name}'")
+    credit.load_state_dict(d["state"])
+    return True
+
+
+def _padded(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    return x.to_padded_tensor(value) if getattr(x, "is_nested", False) else x
+
+
+# -- the trainer mode -----------------------------------------------------------------------
+
+
+@register_trainer(TRAINER_MODE)
+class TokenCreditPPOTrainerSync(PPOTrainerSync):
+    """``PPOTrainerSync`` plus the passes, state and critic loss the credit spec declares."""
+
+    def __init__(self, config: DictConfig):
+        self.tokencredit_settings = check_trainer_config(config)
+        install_settings(self.tokencredit_settings)
+        self.tokencredit_credit, self.tokencredit_plan = trainer_plan(config, self.tokencredit_settings)
+        super().__init__(config)
+
+    # -- losses shipped to the workers ---------------------------------------------------------
+
+    def _tc_set_actor_loss(self) -> None:
+        credit = self.tokencredit_credit
+        self.actor_rollout_wg.set_loss_fn(
+            partial(
+                tokencredit_ppo_loss,
+                config=self._tc_actor_config,
+                settings=self.tokencredit_settings,
+                credit_state=credit.state_dict() if credit.states else None,
+            )
+        )
+
+    def on_init_end(self):
+        from verl.utils.config import omega_conf_to_dataclass
+
+        # the same conversion the actor worker applies to its own copy of this section
+        self._tc_actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        self._tc_set_actor_loss()
+        if self.tokencredit_plan.critic is not None:
+            critic_cfg = omega_conf_to_dataclass(self.config.critic)
+            self.critic_wg.set_loss_fn(partial(tokencredit_value_loss, config=critic_cfg, settings=self.tokencredit_settings))
+        log.info("tokencredit: credit spec '%s', passes %s", self.tokencredit_settings.spec, self.tokencredit_plan.passes)
+        super().on_init_end()
+
+    # -- driver-side signals, state and the oracle pass ------------------------------------------
+
+    def _compute_advantage(self, batch, metrics: dict):
+        import transfer_queue as tq
+
+        credit, plan = self.tokencredit_credit, self.tokencredit_plan
+        need = set(credit.estimator.requires)
+        if credit.states:
+            need |= {"entropy"}
+        if not need:
+            return super()._compute_advantage(batch, metrics)
+        fields = ["response_mask"]
+        fields += ["entropy"] if "entropy" in need else []
+        fields += ["old_log_probs"] if "logprobs" in need else []
+        fields += ["values"] if "values" in need else []
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields).to_padded_tensor()
+        mask = data["response_mask"]
+        signals: Dict[str, torch.Tensor] = {}
+        if "entropy" in need:
+            signals["entropy"] = data["entropy"]
+        if "logprobs" in need:
+            signals["logprobs"] = data["old_log_probs"]
+        if "values" in need:
+            signals["values"] = critic_values(plan, data["values"])
+        if "oracle_logprobs" in need:
+            signals["oracle_logprobs"] = self._tc_oracle_pass(batch, mask.shape[1])
+        if credit.states:
+            state_metrics = step_credit_state(credit, mask, signals)
+            metrics.update({f"tokencredit/{k}": v for k, v in state_metrics.items()})
+            self._tc_set_actor_loss()  # the loss of this step's update reads the stepped state
+        est_signals = {k: v for k, v in signals.items() if k in credit.estimator.requires}
+        with driver_signals(mask, est_signals):
+            return super()._compute_advantage(batch, metrics)
+
+    def _tc_oracle_pass(self, batch, width: int) -> torch.Tensor:
+        """The actor's log-probs of each response after its oracle prompt, [B, width]."""
+        import transfer_queue as tq
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+        from verl.workers.utils.padding import response_from_nested
+
+        keys = list(batch.keys)
+        base = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["prompts", "responses", "response_mask"])
+        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)] if batch.tags else list(range(len(keys)))
+        info = tq.kv_batch_get(keys=[keys[i] for i in real], partition_id=batch.partition_id, select_fields=["raw_prompt", "reward_model"])
+        kw = self.config.data.get("apply_chat_template_kwargs", None) or {}
+        ids = oracle_prompt_ids(self.tokencredit_plan, self.tokenizer, list(info["raw_prompt"]), list(info["reward_model"]),
+                                chat_template_kwargs=dict(kw))
+        prompt_ids = [p.tolist() for p in base["prompts"].unbind()]  # padding rows keep their own prompt (never read)
+        for j, i in enumerate(real):
+            prompt_ids[i] = ids[j]
+        samples = oracle_samples(prompt_ids, base["responses"].unbind(), base["response_mask"].unbind())
+        okeys = [f"{k}_oracle" for k in keys]
+        tags = [{"seq_len": int(s["input_ids"].shape[0]), "prompt_len": int(s["prompts"].shape[0]),
+                 "response_len": int(s["responses"].shape[0])} for s in samples]
+        meta = tq.kv_batch_put(keys=okeys, partition_id=ORACLE_PARTITION, fields=list_of_dict_to_tensordict(samples), tags=tags)
+        meta.extra_info = {**batch.extra_info, "calculate_entropy": False, "compute_loss": False,
+                           "temperature": self.config.actor_rollout_ref.rollout.temperature}
+        try:
+            self.actor_rollout_wg.compute_log_prob(meta)
+            out = tq.kv_batch_get(keys=okeys, partition_id=ORACLE_PARTITION, select_fields=["log_probs", "response_mask"])
+            lp = _padded(response_from_nested(out["log_probs"], out["response_mask"]))
+        finally:
+            tq.kv_clear(keys=okeys, partition_id=ORACLE_PARTITION)
+        if lp.shape[1] < width:
+            lp = torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
+        return lp
+
+    # -- the critic: after the actor when the method declares so ---------------------------------
+
+    def _tc_after_actor(self) -> bool:
+        return self.tokencredit_plan.critic is not None and self.tokencredit_plan.critic.after_actor
+
+    def _update_critic(self, batch, metrics: dict):
+        if self._tc_after_actor():
+            return batch  # trained in _update_actor, after the actor's update
+        return super()._update_critic(batch, metrics)
+
+    def _update_actor(self, batch, metrics: dict):
+        import transfer_queue as tq
+        from tensordict import TensorDict
+        from verl.workers.utils.padding import response_from_nested, response_to_nested
+
+        batch = super()._update_actor(batch, metrics)
+        if not self._tc_after_actor():
+            return batch
+        # a log-prob pass of the updated actor, then the critic on the masked per-token IS weights
+        batch.extra_info.update({"calculate_entropy": False, "compute_loss": False,
+                                 "temperature": self.config.actor_rollout_ref.rollout.temperature})
+        self.actor_rollout_wg.compute_log_prob(batch)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["log_probs", "old_log_probs", "response_mask"])
+        new = _padded(response_from_nested(data["log_probs"], data["response_mask"]))
+        old = _padded(data["old_log_probs"])
+        mask = _padded(data["response_mask"])
+        w = self.tokencredit_plan.critic.is_weights(new, old, mask)
+        m = mask.bool()
+        metrics["tokencredit/critic_is_kept"] = float(((w > 0) & m).sum() / m.sum().clamp_min(1))
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                        fields=TensorDict({CRITIC_WEIGHTS_FIELD: response_to_nested(w, data["response_mask"])}, batch_size=len(batch)))
+        return super()._update_critic(batch, metrics)
+
+    # -- state in checkpoints --------------------------------------------------------------------
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.tokencredit_credit.states:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            save_credit_state(folder, self.tokencredit_credit)
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if not self.tokencredit_credit.states or self.global_steps <= 0:
+            return
+        if self.config.trainer.resume_mode == "resume_path":
+            folder = self.config.trainer.resume_from_path
+        else:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        if not os.path.isabs(folder):
+            folder = os.path.join(os.getcwd(), folder)
+        load_credit_state(folder, self.tokencredit_credit)
