@@ -311,9 +311,26 @@ def test_trainer_config_for_every_seed_method():
 # -- (6) the smoke script's dry run ------------------------------------------------------------
 
 
-def test_smoke_script_dry_run_is_accepted_by_verls_config_loader(tmp_path):
+def validate(cfg):
+    """verl's validate_config; for a LoRA actor with vLLM its last check imports vLLM (absent on
+    CPU machines) to read vLLM's allowed ranks: that check runs here against the ranks verl falls
+    back to, the rest of validate_config on a copy without the rank."""
+    from omegaconf import open_dict
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.utils.config import validate_config
+
+    rank = cfg.actor_rollout_ref.model.get("lora_rank", 0)
+    if rank > 0 and cfg.actor_rollout_ref.rollout.name == "vllm":
+        assert rank in (1, 8, 16, 32, 64, 128, 256, 320, 512), rank  # verl's fallback MaxLoRARanks
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.actor_rollout_ref.model.lora_rank = 0
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+def test_smoke_script_dry_run_is_accepted_by_verls_config_loader(tmp_path):
+    from verl.trainer.ppo.utils import need_critic
+    from verl.utils.config import omega_conf_to_dataclass
 
     from tokencredit.testing import tiny_model_and_tokenizer
 
@@ -331,17 +348,19 @@ def test_smoke_script_dry_run_is_accepted_by_verls_config_loader(tmp_path):
         words = shlex.split(ln)
         assert words[:3] == ["python3", "-m", "verl.trainer.main_ppo"], ln
         methods[[w for w in words if w.startswith("trainer.experiment_name=")][0].split("=", 1)[1]] = words[3:]
-    assert {"smoke_grpo", "smoke_gtpo", "smoke_taco", "smoke_stare", "smoke_oppo", "smoke_opd", "smoke_pact", "smoke_gae"} <= set(methods)
+    assert {f"smoke_{m}" for m in ("grpo", "gtpo", "taco", "stare", "acpo", "arca", "oppo", "opd", "pact", "gae")} <= set(methods)
     for name, overrides in methods.items():
         cfg = compose_verl(overrides)
         assert cfg.actor_rollout_ref.model.path == str(tmp_path / "model")
-        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        validate(cfg)
         omega_conf_to_dataclass(cfg.algorithm)
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
         if need_critic(cfg):
             omega_conf_to_dataclass(cfg.critic)
         settings = tct.check_trainer_config(cfg)
         assert cfg.trainer.n_gpus_per_node == 1 and settings.spec, name
+        if name == "smoke_arca":  # a LoRA actor with a LoRA-sized step
+            assert cfg.actor_rollout_ref.model.lora_rank > 0 and cfg.actor_rollout_ref.actor.optim.lr == 2e-5
 
 
 EXAMPLES = [
@@ -349,6 +368,7 @@ EXAMPLES = [
     ("intrinsic.sh", {"SALIENCE": "entropy"}), ("taco.sh", {}), ("stare.sh", {"ADAPTIVE": "True"}),
     ("gtpo.sh", {}), ("oracle.sh", {"METHOD": "oppo"}), ("oracle.sh", {"METHOD": "opd"}),
     ("critic.sh", {"METHOD": "pact"}), ("critic.sh", {"METHOD": "gae"}),
+    ("worker.sh", {"METHOD": "acpo"}), ("worker.sh", {"METHOD": "arca"}),
 ]
 
 
@@ -365,14 +385,14 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("script,env", EXAMPLES, ids=[f"{s}:{','.join(e.values())}" for s, e in EXAMPLES])
 def test_launch_examples_dry_run_pass_verls_config_and_the_trainer_checks(script, env, tiny_model_dir):
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.trainer.ppo.utils import need_critic
+    from verl.utils.config import omega_conf_to_dataclass
 
     out = subprocess.run(["bash", os.path.join(REPO, "examples", "verl", script)], capture_output=True, text=True, timeout=60,
                          env={**os.environ, **env, "DRY_RUN": "1", "MODEL": tiny_model_dir})
     assert out.returncode == 0, out.stderr
     cfg = compose_verl([ln for ln in out.stdout.splitlines() if ln.strip()])
-    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    validate(cfg)
     omega_conf_to_dataclass(cfg.algorithm)
     omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     if need_critic(cfg):

@@ -15,7 +15,7 @@ set -euo pipefail
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA_DIR=${DATA_DIR:-/tmp/tokencredit_verl_smoke}
 STEPS=${STEPS:-2}
-METHODS=${METHODS:-"grpo gtpo taco stare oppo opd pact gae"}
+METHODS=${METHODS:-"grpo gtpo taco stare acpo arca oppo opd pact gae"}
 
 COMMON=(
     data.train_files="$DATA_DIR/train.parquet"
@@ -53,6 +53,16 @@ COMMON=(
     trainer.total_training_steps="$STEPS"
     trainer.total_epochs=1
 )
+# tokencredit's actor engine (ACPO's top-1 probability, ARCA's adapter-on/off residual)
+ENGINE=(+actor_rollout_ref.model.model_type=tokencredit_language_model)
+LORA=(
+    actor_rollout_ref.model.lora_rank=16
+    actor_rollout_ref.model.lora_alpha=32
+    actor_rollout_ref.model.target_modules=all-linear
+    actor_rollout_ref.rollout.load_format=safetensors
+    actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean
+)
+LORA_LR=2e-5  # a LoRA adapter starts at B = 0 (ARCA's residual is 0 until it moves): a LoRA-sized step
 CRITIC=(
     critic.enable=True
     critic.model.path="$MODEL"
@@ -68,6 +78,8 @@ method_args() {
         gtpo)  echo algorithm.adv_estimator=tc_gtpo +tokencredit.spec=gtpo ;;
         taco)  echo algorithm.adv_estimator=tc_grpo +tokencredit.spec=grpo+taco ;;
         stare) echo algorithm.adv_estimator=tc_grpo +tokencredit.spec=grpo+stare +tokencredit.stare.adaptive=True ;;
+        acpo)  echo algorithm.adv_estimator=tc_grpo +tokencredit.spec=grpo+acpo "${ENGINE[@]}" ;;
+        arca)  echo algorithm.adv_estimator=tc_grpo +tokencredit.spec=grpo+arca "${ENGINE[@]}" "${LORA[@]}" ;;
         oppo)  echo algorithm.adv_estimator=tc_oppo +tokencredit.spec=oppo ;;
         opd)   echo algorithm.adv_estimator=tc_opd +tokencredit.spec=opd ;;
         pact)  echo algorithm.adv_estimator=tc_pact +tokencredit.spec=pact "${CRITIC[@]}" ;;
@@ -80,6 +92,7 @@ command_of() {  # the full command line of one method, shell-quoted
     local m=$1
     # shellcheck disable=SC2207
     local args=("${COMMON[@]}" trainer.experiment_name="smoke_$m" $(method_args "$m"))
+    if [[ "$m" == arca ]]; then args=("${args[@]/actor_rollout_ref.actor.optim.lr=1e-6/actor_rollout_ref.actor.optim.lr=$LORA_LR}"); fi
     printf 'python3 -m verl.trainer.main_ppo'
     printf ' %q' "${args[@]}"
     printf '\n'

@@ -7,12 +7,15 @@ registrations exist wherever verl looks them up (checked against verl 0.9.1):
 * :mod:`.core`: the advantage estimators ``tc_<name>`` (``algorithm.adv_estimator=tc_grpo``), the
   policy loss ``tokencredit`` (``actor_rollout_ref.actor.policy_loss.loss_mode=tokencredit``), the
   settings channel and the engine losses the trainer mode installs;
+* :mod:`.engine`: tokencredit's FSDP actor engine (``+actor_rollout_ref.model.model_type=
+  tokencredit_language_model``, registered in verl's ``EngineRegistry``), whose forward also
+  returns ACPO's top-1 probability and ARCA's adapter-on/off hidden-state residual;
 * :mod:`.oracle`: the oracle-prompted inputs of OPPO/OPD's oracle pass (driver side, pure);
 * :mod:`.trainer`: the trainer mode ``tokencredit_sync`` (``trainer.v1.trainer_mode=tokencredit_sync``),
   verl's synchronous PPO trainer plus the passes the spec's methods declare (``tokencredit.plan``).
 
-Dependencies run one way: ``trainer -> oracle, core``; ``core`` and ``oracle`` import nothing of
-the trainer mode, and this package module imports all three.
+Dependencies run one way: ``trainer -> oracle, core`` and ``engine -> core``; ``core`` and
+``oracle`` import nothing of the trainer mode or the engine, and this package module imports all four.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from . import core
 from .core import (  # noqa: F401 (re-exported: the plugin's public names and the ones tests reach)
     CRITIC_WEIGHTS_FIELD,
     DRIVER_SIGNALS,
+    ENGINE_MODEL_TYPE,
     ENV_VAR,
     ESTIMATOR_PREFIX,
     LOSS_MODE,
     TESTED_VERL_VERSION,
     TRAINER_MODE,
     UNSUPPORTED_SIGNALS,
+    WORKER_SIGNAL_KEYS,
     VerlCreditSettings,
     _loss_context,
     _make_estimator,
@@ -57,6 +62,15 @@ except Exception:
     # verl logs a failing plugin at debug level only; say it where it will be seen
     log.error("tokencredit's verl plugin failed to register; tc_* estimators and loss_mode=%s are unavailable", LOSS_MODE, exc_info=True)
     raise
+
+# The actor engine (worker signals) must be registered in every process that builds an actor;
+# a failure leaves the other methods working, and a run that selects the engine then fails in
+# verl's EngineRegistry naming the model type.
+try:
+    from . import engine  # noqa: F401,E402
+except Exception:
+    log.warning("tokencredit: actor_rollout_ref.model.model_type=%s is unavailable (tokencredit's actor engine failed to "
+                "register)", ENGINE_MODEL_TYPE, exc_info=True)
 
 # The trainer mode imports verl's v1 trainer (about 3 s on a CPU, once per process). A failure
 # there must not take the estimators and the loss down with it, but it must be visible.

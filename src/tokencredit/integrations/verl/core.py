@@ -11,8 +11,9 @@ of the trainer mode, which builds on it (:mod:`tokencredit.integrations.verl.tra
 * **policy loss** ``tokencredit``: the spec's calibrators on the micro-batch's advantages, then a
   verl policy loss (``base_loss_mode``, by default ``vanilla``) on the calibrated advantages.
 * :func:`tokencredit_ppo_loss` / :func:`tokencredit_value_loss`: verl engine losses (the
-  ``loss_fn`` of ``set_loss_fn``) for the actor (entropy, reference log-probs and the
-  driver-stepped state of stateful methods reach the policy loss) and for a tokencredit critic
+  ``loss_fn`` of ``set_loss_fn``) for the actor (entropy, reference log-probs, the worker
+  signals of tokencredit's actor engine (``mode_prob``, ``hidden_residual``, :mod:`.engine`) and
+  the driver-stepped state of stateful methods reach the policy loss) and for a tokencredit critic
   (the loss the estimator's declared critic is trained with).
 
 Hyperparameters (``tokencredit`` settings: ``spec``, ``base_loss_mode`` and one dict per method)
@@ -49,6 +50,8 @@ __all__ = [
     "TRAINER_MODE",
     "ESTIMATOR_PREFIX",
     "DRIVER_SIGNALS",
+    "ENGINE_MODEL_TYPE",
+    "WORKER_SIGNAL_KEYS",
     "VerlCreditSettings",
     "estimator_names",
     "settings_from_dict",
@@ -75,13 +78,14 @@ LOSS_MODE = "tokencredit"
 TRAINER_MODE = "tokencredit_sync"
 ESTIMATOR_PREFIX = "tc_"
 
-# Signals no verl code path delivers to a credit method yet, with the reason.
-UNSUPPORTED_SIGNALS = {
-    "mode_prob": "verl's engines compute log-probs and entropy inside the forward pass and never return "
-    "the top-1 probability; the worker-side hook is not implemented yet (docs/integrations.md)",
-    "hidden_residual": "verl's engines return no hidden states; the worker-side adapter-on/off hook is not "
-    "implemented yet (docs/integrations.md)",
-}
+# Signals no verl code path delivers to a credit method, with the reason (none at present).
+UNSUPPORTED_SIGNALS: Dict[str, str] = {}
+#: the value of ``actor_rollout_ref.model.model_type`` that selects tokencredit's actor engine
+#: (:mod:`.engine`), which returns the worker signals below from the actor's forward
+ENGINE_MODEL_TYPE = "tokencredit_language_model"
+#: signals the actor's forward returns to the policy loss (:mod:`.engine`), and the non-tensor
+#: micro-batch key by which the trainer mode requests each for the actor update
+WORKER_SIGNAL_KEYS = {"mode_prob": "tokencredit_mode_prob", "hidden_residual": "tokencredit_hidden_residual"}
 #: signals the trainer mode hands to a driver-side estimator, and the verl pass each comes from
 DRIVER_SIGNALS = {
     "entropy": "the old-log-prob pass (actor, before the update; verl computes it with calculate_entropy=True)",
@@ -96,6 +100,10 @@ LOSS_SIGNAL_HINTS = {
     "entropy": f"set trainer.v1.trainer_mode={TRAINER_MODE} and actor_rollout_ref.actor.calculate_entropy=True",
     "ref_logprobs": f"set trainer.v1.trainer_mode={TRAINER_MODE} and use a reference policy "
     "(actor_rollout_ref.actor.use_kl_loss=True; kl_loss_coef may be 0)",
+    "mode_prob": f"set trainer.v1.trainer_mode={TRAINER_MODE} and +actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE} "
+    "(tokencredit's actor engine returns the top-1 probability of the update forward)",
+    "hidden_residual": f"set trainer.v1.trainer_mode={TRAINER_MODE}, +actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE} "
+    "and a LoRA actor (actor_rollout_ref.model.lora_rank > 0; the engine runs an adapter-off forward)",
 }
 
 
@@ -528,15 +536,18 @@ def tokencredit_policy_loss(
 
 
 def loss_signals(model_output: Mapping[str, Any], data: Any) -> Dict[str, torch.Tensor]:
-    """Entropy and reference log-probs of one engine micro-batch, as padded [B, T] tensors laid out
-    like the ``log_prob`` verl's ``ppo_loss`` hands to the policy loss."""
+    """Entropy, reference log-probs and the worker signals (``mode_prob``, ``hidden_residual``) of
+    one engine micro-batch, as padded [B, T] tensors laid out like the ``log_prob`` verl's
+    ``ppo_loss`` hands to the policy loss."""
     from verl.workers.utils.padding import no_padding_2_padding
 
     out: Dict[str, torch.Tensor] = {}
-    entropy = model_output.get("entropy", None)
-    if entropy is not None:
-        # the same un-padding ppo_loss applies to log_probs, so positions line up
-        out["entropy"] = no_padding_2_padding(entropy, data).detach()
+    # entropy from verl's engine; mode_prob / hidden_residual from tokencredit's (.engine), all laid
+    # out like log_probs: the same un-padding ppo_loss applies to log_probs, so positions line up
+    for key in ("entropy", *WORKER_SIGNAL_KEYS):
+        value = model_output.get(key, None)
+        if value is not None:
+            out[key] = no_padding_2_padding(value, data).detach()
     if "ref_log_prob" in data.keys():
         out["ref_logprobs"] = data.select("ref_log_prob").to_padded_tensor()["ref_log_prob"].detach()
     return out

@@ -21,6 +21,10 @@ method names:
 * **oracle pass** (OPPO, OPD): the oracle-prompted inputs are built on the driver
   (:mod:`.oracle`), written to TransferQueue partition ``tokencredit_oracle`` and scored by the
   actor's ``compute_log_prob`` (self-oracle); the estimator gets the oracle log-probs.
+* **worker signals** (ACPO's ``mode_prob``, ARCA's ``hidden_residual``): the actor update asks
+  tokencredit's actor engine (:mod:`.engine`, selected by ``actor_rollout_ref.model.model_type``)
+  for them through the batch's ``extra_info`` (one non-tensor key each, removed after the update);
+  the engine returns them in ``model_output`` and the loss hands them to the calibrators.
 * **critic** (PACT, tokencredit's GAE): verl's critic worker (``critic.enable=True``) with the
   loss the estimator declares installed by ``set_loss_fn`` (``core.tokencredit_value_loss``); its
   values reach the estimator through the declared transform (PACT: sigmoid). A critic declared
@@ -46,9 +50,11 @@ from ...plan import PlanError, SignalPlan, plan_signals
 from ...spec import CreditPipeline
 from .core import (
     CRITIC_WEIGHTS_FIELD,
+    ENGINE_MODEL_TYPE,
     ESTIMATOR_PREFIX,
     LOSS_MODE,
     TRAINER_MODE,
+    WORKER_SIGNAL_KEYS,
     VerlCreditSettings,
     check_supported,
     check_verl_version,
@@ -65,6 +71,7 @@ __all__ = [
     "TokenCreditPPOTrainerSync",
     "check_trainer_config",
     "trainer_plan",
+    "worker_signals",
     "step_credit_state",
     "critic_values",
     "STATE_FILE",
@@ -89,8 +96,15 @@ def trainer_plan(config: DictConfig, settings: VerlCreditSettings) -> Tuple[Cred
     """The spec's pipeline (the driver's copy, which holds its state) and its plan of passes."""
     pipe = CreditPipeline(settings.spec, {k: dict(v) for k, v in settings.configs.items()})
     check_supported(pipe)
+    lora = _uses_lora(config)
+    adapter_readers = [m.name for m in pipe.methods if m.needs_adapter]
+    if adapter_readers and not lora:
+        raise ValueError(
+            f"tokencredit.spec '{settings.spec}': {adapter_readers} read the LoRA adapter's effect; expected a LoRA actor "
+            f"(actor_rollout_ref.model.lora_rank > 0), got none"
+        )
     try:
-        plan = plan_signals(pipe, lora=_uses_lora(config), teacher=False)
+        plan = plan_signals(pipe, lora=lora, teacher=False)
     except PlanError as e:
         raise ValueError(
             f"tokencredit.spec '{settings.spec}' in verl: {e}. In verl a teacher-scored oracle is not supported: "
@@ -98,6 +112,17 @@ def trainer_plan(config: DictConfig, settings: VerlCreditSettings) -> Tuple[Cred
             f"the self-oracle (the method's oracle='self', the default)"
         ) from None
     return pipe, plan
+
+
+def worker_signals(plan: SignalPlan) -> Tuple[str, ...]:
+    """The signals the actor's forward must return to the loss (tokencredit's engine, :mod:`.engine`),
+    from the plan's passes: the policy pass's top-1 probability, the adapter-off pass's hidden state."""
+    out = []
+    if "mode_prob" in plan.policy:
+        out.append("mode_prob")
+    if "hidden" in plan.adapter_off:
+        out.append("hidden_residual")
+    return tuple(out)
 
 
 def check_trainer_config(config: DictConfig) -> VerlCreditSettings:
@@ -168,6 +193,32 @@ def check_trainer_config(config: DictConfig) -> VerlCreditSettings:
                 f"tokencredit.spec '{settings.spec}': its critic trains after each actor update; set "
                 f"trainer.critic_warmup=0 (it is {config.trainer.critic_warmup})"
             )
+    worker = worker_signals(plan)
+    if worker:
+        model = config.actor_rollout_ref.model
+        if model.get("model_type", "language_model") != ENGINE_MODEL_TYPE:
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}' needs {list(worker)} from the actor's forward: set "
+                f"+actor_rollout_ref.model.model_type={ENGINE_MODEL_TYPE} (tokencredit's FSDP actor engine; it is "
+                f"{model.get('model_type', 'language_model')})"
+            )
+        if actor.get("strategy", "fsdp") not in ("fsdp", "fsdp2"):
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}' needs {list(worker)} from tokencredit's FSDP actor engine: set "
+                f"actor_rollout_ref.actor.strategy=fsdp or fsdp2 (it is {actor.get('strategy')})"
+            )
+        if model.get("use_fused_kernels", False):
+            raise ValueError(
+                f"tokencredit.spec '{settings.spec}' needs {list(worker)}, which verl's fused kernels never materialise: "
+                f"set actor_rollout_ref.model.use_fused_kernels=False"
+            )
+    agg = pipe.loss_default("agg_mode")
+    if agg is not None and actor.get("loss_agg_mode", "token-mean") != agg:
+        # verl's default (token-mean) cannot be told apart from a user's choice: say it, do not override
+        log.warning(
+            "tokencredit: spec '%s' is defined with loss aggregation %s; verl runs actor_rollout_ref.actor.loss_agg_mode=%s",
+            settings.spec, agg, actor.get("loss_agg_mode", "token-mean"),
+        )
     rc = config.algorithm.get("rollout_correction", None)
     if plan.policy and rc is not None and rc.get("bypass_mode", False) and {"entropy"} & set(pipe.estimator.requires):
         raise ValueError(
@@ -351,7 +402,15 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         from tensordict import TensorDict
         from verl.workers.utils.padding import response_from_nested, response_to_nested
 
-        batch = super()._update_actor(batch, metrics)
+        # ask tokencredit's actor engine for the worker signals of the update's forward (.engine),
+        # for this call only: later passes on the same batch (the IS pass below) must not compute them
+        request = {WORKER_SIGNAL_KEYS[s]: True for s in worker_signals(self.tokencredit_plan)}
+        batch.extra_info.update(request)
+        try:
+            batch = super()._update_actor(batch, metrics)
+        finally:
+            for k in request:
+                batch.extra_info.pop(k, None)
         if not self._tc_after_actor():
             return batch
         # a log-prob pass of the updated actor, then the critic on the masked per-token IS weights
