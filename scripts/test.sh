@@ -9,4 +9,5 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
-.venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
+# -q comes from pyproject.toml (addopts); a second -q would hide pytest's summary line
+.venv/bin/python -m pytest tests -p no:cacheprovider "$@"

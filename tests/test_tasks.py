@@ -19,7 +19,7 @@ from tokencredit.tasks import (
     score_safely,
 )
 
-PROCEDURAL = ["add1", "add2", "mul1", "word", "mix"]
+PROCEDURAL = ["add1", "add2", "mul1", "word", "mix", "chain"]
 
 
 def _ex(answer: str, question: str = "What is 23 + 45?") -> Example:

@@ -319,9 +319,9 @@ def test_a_named_reference_is_used_under_lora_too(tmp_path):
     tr.train()
     b, cb = tr._last_batch["batch"], tr._last_batch["credit_batch"]
     with torch.no_grad():
-        _, logits = forward_response(ref, b["input_ids"], b["attention_mask"], b["prompt_len"])
-    want = token_signals(logits, b["response_ids"], temperature=1.0, want=("logprobs",))["logprobs"]
-    m = b["response_mask"].bool()
+        _, logits = forward_response(ref, b.input_ids, b.attention_mask, b.prompt_len)
+    want = token_signals(logits, b.response_ids, temperature=1.0, want=("logprobs",))["logprobs"]
+    m = b.response_mask.bool()
     torch.testing.assert_close(cb.ref_logprobs[m], want[m], atol=1e-5, rtol=0)
 
 

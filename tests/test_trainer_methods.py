@@ -56,11 +56,11 @@ def _pact_step(tmp_path, monkeypatch, credit_args):
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
     tr.train()
     b = tr._last_batch["batch"]
-    mask = b["response_mask"].bool()
+    mask = b.response_mask.bool()
     tr.model.eval()
     with torch.no_grad():
-        h_new, logits = forward_response(tr.model, b["input_ids"], b["attention_mask"], b["prompt_len"], hidden=True)
-    new_lp = token_signals(logits, b["response_ids"], temperature=1.0, want=("logprobs",))["logprobs"]
+        h_new, logits = forward_response(tr.model, b.input_ids, b.attention_mask, b.prompt_len, hidden=True)
+    new_lp = token_signals(logits, b.response_ids, temperature=1.0, want=("logprobs",))["logprobs"]
     old_lp = tr._last_batch["credit_batch"].logprobs
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters())
     return tr, seen, inputs, mask, h_new, new_lp, old_lp

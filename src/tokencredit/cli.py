@@ -1,10 +1,34 @@
-"""The ``tokencredit`` command."""
+"""The ``tokencredit`` command.
+
+A user error (a bad setting, data file, reward function, checkpoint or run directory) prints one
+line on stderr, ``tokencredit <command>: <field>: expected X, got Y``, and exits with code 2;
+``--debug`` shows the traceback instead. An interrupted ``train`` or ``compare`` exits with 130.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import List, Optional
+
+
+def _user_errors() -> tuple:
+    """The exception classes that are the user's to fix (each message is one line)."""
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .registry import UnknownMethodError
+    from .tasks import DatasetError, RewardFnError
+
+    return (ConfigError, CheckpointError, UnknownMethodError, DatasetError, RewardFnError)
+
+
+class UserExit(SystemExit):
+    """Exit status 2 for a user error; ``str()`` is the one-line message (already printed)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 2
 
 
 def _methods(args: argparse.Namespace) -> int:
@@ -37,41 +61,67 @@ def _train(args: argparse.Namespace, rest: List[str]) -> int:
     cfg = load_config(args.config, rest)
     trainer = Trainer(cfg)
     last = trainer.train()
-    if trainer.step >= cfg.steps:
-        path = trainer.export()
-        print(f"final model written to {path}")
+    if trainer.step < cfg.steps:  # stopped by Ctrl-C (the trainer said where it stands)
+        print(f"train interrupted at step {trainer.step} of {cfg.steps}", file=sys.stderr)
+        return 130
+    if not last:  # --resume of a run that had already reached cfg.steps
+        final = trainer.out / "final"
+        path = final if final.exists() else trainer.export()
+        print(f"nothing to train: the run is at step {trainer.step} of {cfg.steps} (raise --steps to go on); final model in {path}")
+        return 0
+    path = trainer.export()
+    print(f"final model written to {path}")
     keys = [k for k in ("reward/mean", "eval/greedy_acc", f"eval/mean@{cfg.log.eval_samples}", "entropy/mean") if k in last]
     print("last step: " + ", ".join(f"{k}={last[k]:.3f}" for k in keys))
     return 0
 
 
 def _eval(args: argparse.Namespace, rest: List[str]) -> int:
+    """Evaluate a run's latest intact checkpoint (``--run``), or the model a config names.
+
+    With ``--run DIR`` nothing in DIR is written: results go to ``--output-dir`` (default: the
+    sibling folder ``DIR-eval``), as ``eval/samples_step_XXXXXXXX.jsonl`` and
+    ``eval_step_XXXXXXXX.json``. The run's own ``output_dir`` setting is not used (it may be
+    relative to wherever the run was started)."""
+    import dataclasses
     import json
     from pathlib import Path
 
-    from .checkpoint import latest_checkpoint, load_checkpoint
-    from .config import TrainConfig, _from_dict, load_config
+    from .checkpoint import load_latest_checkpoint
+    from .config import ConfigError, TrainConfig, _from_dict, load_config
     from .trainer import Trainer
 
-    if args.run:
-        run = Path(args.run)
-        cfg_file = run / "config.json"
-        if not cfg_file.exists():
-            raise SystemExit(f"--run: {run} has no config.json (is it a tokencredit run directory?)")
-        cfg = _from_dict(TrainConfig, json.loads(cfg_file.read_text()), "")
-        if rest:
-            raise SystemExit(f"eval --run takes no other options, got {rest}")
-    else:
-        cfg = load_config(args.config, rest)
+    if not args.run:
+        if args.output_dir:
+            rest = rest + ["--output-dir", args.output_dir]
+        trainer = Trainer(load_config(args.config, rest))
+        metrics = trainer.evaluate()
+        print(json.dumps(metrics, indent=2))
+        return 0
+    if rest or args.config:
+        raise ConfigError(f"eval --run: expected no other options than --output-dir, got {rest + (['--config'] if args.config else [])}")
+    run = Path(args.run).resolve()
+    cfg_file = run / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"--run: expected a tokencredit run directory (with config.json), got {args.run!r}")
+    try:
+        saved = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--run: {cfg_file} is not valid JSON ({e})") from None
+    out = Path(args.output_dir) if args.output_dir else run.parent / f"{run.name}-eval"
+    if out.resolve() == run or run in out.resolve().parents:
+        raise ConfigError(f"--output-dir: expected a folder outside the run {str(run)!r}, got {str(out)!r}")
+    cfg = dataclasses.replace(_from_dict(TrainConfig, saved, "config.json"), output_dir=str(out), resume=False)
+    ck, state = load_latest_checkpoint(run / "checkpoints")
     trainer = Trainer(cfg)
-    if args.run:
-        ck = latest_checkpoint(Path(args.run) / "checkpoints")
-        if ck is None:
-            raise SystemExit(f"--run: no checkpoint under {args.run}/checkpoints")
-        trainer.load_state_dict(load_checkpoint(ck))
-        print(f"evaluating {ck}")
+    trainer.load_state_dict(state)
+    print(f"evaluating {ck}", file=sys.stderr)
     metrics = trainer.evaluate()
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / f"eval_step_{trainer.step:08d}.json"
+    result.write_text(json.dumps({"run": str(run), "checkpoint": str(ck), "step": trainer.step, **metrics}, indent=2) + "\n")
     print(json.dumps(metrics, indent=2))
+    print(f"written to {result}", file=sys.stderr)
     return 0
 
 
@@ -126,8 +176,13 @@ def _inspect(args: argparse.Namespace, rest: List[str]) -> int:
 
     if rest:
         raise SystemExit(f"tokencredit inspect: unexpected arguments {rest}")
+    from .fidelity import is_estimates_file, load_estimates, rollouts_with_true_credit
+
     try:
-        path = write_page(args.rollouts, args.output, methods=args.methods, credit_args=tuple(args.credit_args))
+        # a fidelity estimates file: its rollouts, with the true credit as one more row
+        saved = (rollouts_with_true_credit(load_estimates(args.rollouts, require_complete=False))
+                 if is_estimates_file(args.rollouts) else None)
+        path = write_page(args.rollouts, args.output, methods=args.methods, credit_args=tuple(args.credit_args), saved=saved)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"tokencredit inspect: {e}") from None
     print(f"page written to {path}")
@@ -136,6 +191,7 @@ def _inspect(args: argparse.Namespace, rest: List[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokencredit", description="token-level credit assignment for LLM RL")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors (accepted anywhere on the line)")
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("methods", help="list credit methods: kind, required signals, provenance")
     m.add_argument("--width", type=int, default=160, help="table width in characters")
@@ -148,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", default=None, help="YAML file of TrainConfig fields (overridden by flags)")
     t.set_defaults(func=_train)
     e = sub.add_parser("eval", help="greedy accuracy and mean@k of a run's latest checkpoint", add_help=False)
-    e.add_argument("--run", default=None, help="a run directory written by 'tokencredit train'")
+    e.add_argument("--run", default=None, help="a run directory written by 'tokencredit train' (left unchanged)")
+    e.add_argument("--output-dir", "--output_dir", dest="output_dir", default=None,
+                   help="where the results go (default with --run: RUN-eval, next to the run)")
     e.add_argument("--config", default=None)
     e.set_defaults(func=_eval)
     c = sub.add_parser(
@@ -178,16 +236,53 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("-o", "--output", default=None, help="the HTML file (default: ROLLOUTS with .html)")
     i.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE", help="method configs for the replay, e.g. taco.lam=0.5")
     i.set_defaults(func=_inspect)
+    # credit fidelity: every option is parsed by tokencredit.fidelity.main (see its --help)
+    fd = sub.add_parser("fidelity", add_help=False, help="score every method's token credit against Monte Carlo true credit "
+                        "(no argument: the bundled reference set); 'fidelity build RUN -o FILE' estimates it")
+    fd.set_defaults(func=lambda a, rest: __import__("tokencredit.fidelity", fromlist=["main"]).main(rest))
     return p
+
+
+def _one_line(e: BaseException) -> str:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(str(msg).split())
+
+
+def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr if file is None else file)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     args, rest = build_parser().parse_known_args(argv)
-    if args.command == "methods" and rest:
-        raise SystemExit(f"tokencredit methods: unexpected arguments {rest}")
-    # train/eval: everything not known to argparse goes to tyro (which also answers --help)
-    return int(args.func(args, rest) or 0)
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn_one_line  # restored on exit
+            if args.command == "methods" and rest:
+                raise SystemExit(f"tokencredit methods: unexpected arguments {rest}")
+            # train/eval: everything not known to argparse goes to tyro (which also answers --help)
+            return int(args.func(args, rest) or 0)
+    except KeyboardInterrupt:
+        print(f"\ntokencredit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        if isinstance(e, UserExit) or not isinstance(e.code, str):
+            raise
+        msg = _one_line(e)  # a subcommand's own one-line refusal
+        print(msg, file=sys.stderr)
+        raise UserExit(msg) from None
+    except Exception as e:
+        from .trainer import NonFiniteError
+
+        if debug or not isinstance(e, _user_errors() + (NonFiniteError,)):
+            raise
+        msg = f"tokencredit {args.command}: {_one_line(e)}"
+        print(msg, file=sys.stderr)
+        if isinstance(e, NonFiniteError):  # the run failed, the input was fine: exit 1
+            raise SystemExit(1) from None
+        raise UserExit(msg) from None
 
 
 if __name__ == "__main__":

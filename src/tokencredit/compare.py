@@ -57,10 +57,6 @@ METRICS: Tuple[Tuple[str, str], ...] = (
     ("time/step_s", "seconds per step"),
 )
 
-# config fields that may differ between a run's saved config and a rerun's without making the
-# existing run a different experiment (the budget may grow; bookkeeping may change)
-_IGNORED_CONFIG_KEYS = {"steps", "resume", "output_dir", "save_every", "keep_last", "threads", "device", "log"}
-
 
 # ---------------------------------------------------------------------------------------
 # input
@@ -451,23 +447,11 @@ def run_config(base, spec: str, seed: int, output_dir: Path):
     return apply_recipe(cfg)
 
 
-def _config_diff(saved: Dict[str, Any], new: Dict[str, Any], prefix: str = "") -> List[str]:
-    diffs = []
-    for k in sorted(set(saved) | set(new)):
-        if not prefix and k in _IGNORED_CONFIG_KEYS:
-            continue
-        a, b = saved.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += _config_diff(a, b, f"{prefix}{k}.")
-        elif (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
-            diffs.append(f"{prefix}{k}: {a!r} -> {b!r}")
-    return diffs
-
-
 def check_run_config(run_dir: Path, cfg) -> None:
     """Raise ValueError if ``run_dir`` holds a run of another experiment than ``cfg`` (fields
-    other than the budget and bookkeeping differ), so that a report never mixes the two."""
-    from .config import config_to_dict
+    other than the budget and bookkeeping, ``config.SAFE_TO_CHANGE``, differ), so that a report
+    never mixes the two. The same comparison refuses a ``--resume`` with changed settings."""
+    from .config import config_diff, config_to_dict
 
     cfg_file = Path(run_dir) / "config.json"
     if not cfg_file.exists():
@@ -476,7 +460,7 @@ def check_run_config(run_dir: Path, cfg) -> None:
         saved = json.loads(cfg_file.read_text())
     except json.JSONDecodeError:
         return
-    diffs = _config_diff(saved, json.loads(json.dumps(config_to_dict(cfg))))
+    diffs = config_diff(saved, json.loads(json.dumps(config_to_dict(cfg))))
     if diffs:
         raise ValueError(
             f"{run_dir}: an existing run with a different configuration ({'; '.join(diffs[:5])}); "

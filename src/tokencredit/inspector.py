@@ -16,7 +16,9 @@ effective-token ratio (:func:`~tokencredit.diagnostics.credit_diagnostics`).
 Replays use the run's own method configs and state (STARE's controller where the run left it),
 as saved with the rollouts, for every method the run used; other methods start from their
 defaults and a fresh state. ``credit_args`` override either. The run's own saved credit is shown
-too, as "(as trained)".
+too, as "(as trained)". Given a credit-fidelity estimates file (``tokencredit fidelity build``),
+the page shows the Monte Carlo true credit ``c_t = V(h_{t+1}) - V(h_t)`` as one more row
+(``true credit (MC, M=..)``; docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ def load_rollouts(path: str | Path) -> Dict[str, Any]:
         saved = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         raise ValueError(f"ROLLOUTS: {p} is not a tokencredit rollouts file ({type(e).__name__}: {e})") from None
+    if isinstance(saved, dict) and isinstance(saved.get("format"), str) and "signals" not in saved:
+        raise ValueError(
+            f"ROLLOUTS: {p} is a {saved['format']!r} file, not a rollouts file; `tokencredit inspect` opens it "
+            f"(with its reference rows), the library reads it with that format's own loader"
+        )
     check_rollouts(saved, str(p))
     return saved
 
@@ -217,6 +224,11 @@ def replay(saved: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, cred
         out = CreditOutput(advantages=saved["advantages"].float(), token_weights=_float_or_none(saved.get("token_weights")))
         name = str(saved.get("credit") or "run")
         views.append(MethodView(f"{name} (as trained)", name, "saved", out.advantages, out.token_weights, credit_diagnostics(batch, out)))
+    # reference rows carried by the batch (the Monte Carlo true credit of a fidelity estimates
+    # file, see fidelity.rollouts_with_true_credit): label -> [B, T] credit
+    for label, c in (saved.get("reference_rows") or {}).items():
+        c = torch.as_tensor(c).float()
+        views.append(MethodView(label, "reference", "estimated", c, None, credit_diagnostics(batch, CreditOutput(advantages=c))))
     for spec in specs:
         try:
             pipe = CreditPipeline(spec, _credit_configs(credit_args, [m.name for m in _methods(spec)], saved.get("credit_configs")))
@@ -535,12 +547,14 @@ def render_html(saved: Dict[str, Any], insp: Inspection, *, title: Optional[str]
 
 
 def write_page(rollouts: str | Path, output: Optional[str | Path] = None, *, methods: Optional[Sequence[str] | str] = None,
-               credit_args: Sequence[str] = ()) -> Path:
+               credit_args: Sequence[str] = (), saved: Optional[Dict[str, Any]] = None) -> Path:
     """Load ``rollouts`` (a file or a run directory), replay, write the page; returns its path
-    (default: the rollouts file with ``.html``)."""
+    (default: the rollouts file with ``.html``). ``saved``: the batch already loaded from that
+    file (e.g. with reference rows attached), instead of loading it."""
     src = find_rollouts(rollouts)
     specs = parse_methods(methods) if methods is not None else None
-    saved = load_rollouts(src)
+    if saved is None:
+        saved = load_rollouts(src)
     insp = replay(saved, specs, credit_args=credit_args)
     out = Path(output) if output is not None else src.with_suffix(".html")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,13 @@ class SignalPlan:
         return _build(self.signals | frozenset(extra), self.oracle, self.critic, lora=self._lora,
                       explicit_reference=self._explicit_reference)
 
+    @classmethod
+    def policy_only(cls, *, hidden: bool) -> "SignalPlan":
+        """One policy pass giving log-probs (and its hidden states): e.g. the updated actor's
+        pass that a critic declared ``after_actor`` trains on."""
+        return cls(signals=frozenset({"logprobs"}), policy=("logprobs",), policy_hidden=hidden, adapter_off=(),
+                   reference=False, oracle=None, critic=None)
+
     # filled in by plan_signals (not part of the public plan)
     _lora: bool = False
     _explicit_reference: bool = False
@@ -140,7 +147,13 @@ def plan_signals(
             critic = m.critic(cfg)
     if oracle is not None and oracle.scorer == "teacher" and not teacher:
         raise PlanError(
-            f"credit '{credit.name}': its oracle pass is scored by a teacher (oracle='teacher'); expected a "
-            f"teacher model (model.teacher), got none"
+            f"model.teacher: credit '{credit.name}' has {credit.estimator.name}.oracle='teacher'; expected a teacher "
+            f"model (--model.teacher NAME), got none"
+        )
+    if teacher and (oracle is None or oracle.scorer != "teacher"):
+        said = f"{credit.estimator.name}.oracle='self' (the policy scores the oracle prompt)" if oracle is not None else "no teacher-scored pass"
+        raise PlanError(
+            f"model.teacher: credit '{credit.name}' has {said}, so the teacher would be unused; expected no teacher"
+            + (f" or --credit-args {credit.estimator.name}.oracle=teacher" if oracle is not None else "") + ", got a teacher"
         )
     return _build(signals, oracle, critic, lora=lora, explicit_reference=explicit_reference)

@@ -37,6 +37,7 @@ import inspect
 import json
 import logging
 import math
+import numbers
 import os
 import random
 import re
@@ -53,8 +54,10 @@ __all__ = [
     "ARITH_PROMPTS",
     "DATASET_PROMPT",
     "EVAL_SEED",
+    "DatasetError",
     "Example",
     "RewardFnError",
+    "RewardValueError",
     "SYSTEM_PROMPT",
     "Task",
     "WORD_PROMPT",
@@ -65,6 +68,7 @@ __all__ = [
     "make_task",
     "numeric_reward",
     "math_reward",
+    "check_reward",
     "score_safely",
 ]
 
@@ -126,20 +130,23 @@ def _example(prefix: str, question: str, answer: str) -> Example:
 
 @dataclass
 class Task:
-    """Prompts plus a reward. ``scorer(completion, example) -> float`` is what ``reward`` calls."""
+    """Prompts plus a reward. ``scorer(completion, example) -> float`` is what ``reward`` calls;
+    ``reward`` accepts only a finite real number within ``reward_range`` (else
+    :class:`RewardValueError`, which :func:`score_safely` counts as a failure)."""
 
     name: str
     train: List[Example]
     eval: List[Example]
     scorer: Callable[[str, Example], float] = field(default=None, repr=False)  # type: ignore[assignment]
     description: str = ""
+    reward_range: Tuple[float, float] = (0.0, 1.0)  # eval reports the mean reward as an accuracy
 
     def __post_init__(self):
         if self.scorer is None:
             self.scorer = numeric_reward
 
     def reward(self, completion: str, example: Example) -> float:
-        return float(self.scorer(completion, example))
+        return check_reward(self.scorer(completion, example), self.reward_range)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +419,21 @@ def _sample_unique(r: random.Random, k: int, taken: set, prefix: str) -> List[Ex
     return out
 
 
+# Multi-step chains (task "chain", issue 10): a + b - c with a, b, c in 2..9, solved in two
+# written steps after one worked example. Responses run 30+ tokens and the intermediate result
+# decides the outcome, so credit placement is not trivial (docs/fidelity.md measures the
+# embedded model's pass@1 on it).
+CHAIN_PROMPT = (
+    "Solve in two steps, like the example.\nExample: 3 + 4 - 5\nStep 1: 3 + 4 = 7\n"
+    "Step 2: 7 - 5 = 2\nAnswer: 2\n\nNow solve: {a} + {b} - {c}"
+)
+
+
+def _chain_space() -> List[Tuple[str, str]]:
+    r = range(2, 10)
+    return [(CHAIN_PROMPT.format(a=a, b=b, c=c), str(a + b - c)) for a in r for b in r for c in r]
+
+
 def _warn_short(name: str, split: str, got: int, asked: int, space: Any) -> None:
     if got < asked:
         logger.warning(
@@ -421,8 +443,8 @@ def _warn_short(name: str, split: str, got: int, asked: int, space: Any) -> None
 
 
 def _procedural(name: str, seed: int, n_train: int, n_eval: int) -> Tuple[List[Example], List[Example]]:
-    if name in _ARITH:
-        space = _arith_space(name)
+    if name in _ARITH or name == "chain":
+        space = _arith_space(name) if name in _ARITH else _chain_space()
         random.Random(f"{name}-eval-{EVAL_SEED}").shuffle(space)
         n_ev = min(n_eval, len(space) // 2)
         ev = [_example(name, q, a) for q, a in space[:n_ev]]
@@ -479,7 +501,9 @@ def _reference_answer(row: Dict[str, Any]) -> Optional[str]:
 
 def _rows_to_examples(name: str, rows: Sequence[Dict[str, Any]], where: str) -> List[Example]:
     out, seen, skipped = [], set(), 0
-    for row in rows:
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DatasetError(f"task.path: expected each row of {where} to be an object with named columns, row {i + 1} is {type(row).__name__}")
         problem = row.get("question", row.get("problem"))
         answer = _reference_answer(row)
         if not isinstance(problem, str) or not problem.strip() or answer is None:
@@ -491,8 +515,8 @@ def _rows_to_examples(name: str, rows: Sequence[Dict[str, Any]], where: str) -> 
         seen.add(question)
         out.append(_example(name, question, answer))
     if not rows or not out:
-        raise ValueError(
-            f"path: expected rows with columns question/answer or problem/solution (or problem/answer) "
+        raise DatasetError(
+            f"task.path: expected rows with columns question/answer or problem/solution (or problem/answer) "
             f"in {where}, got {len(rows)} rows and {len(out)} usable"
         )
     if skipped:
@@ -500,21 +524,46 @@ def _rows_to_examples(name: str, rows: Sequence[Dict[str, Any]], where: str) -> 
     return out
 
 
+class DatasetError(ValueError):
+    """A dataset file that cannot be read; the message names the file (and the line)."""
+
+
 def _read_file(path: Path) -> List[Dict[str, Any]]:
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(data, dict):  # {"data": [...]} style
-            data = next((v for v in data.values() if isinstance(v, list)), [])
-        return list(data)
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq  # a dependency of `datasets`
+    try:
+        if suffix == ".jsonl":
+            rows = []
+            with path.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise DatasetError(f"task.path: expected one JSON object per line, {path}:{n} is not JSON ({e.msg}, column {e.colno})") from None
+            return rows
+        if suffix == ".json":
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"task.path: expected a JSON file, {path}:{e.lineno} is not JSON ({e.msg}, column {e.colno})") from None
+            if isinstance(data, dict):  # {"data": [...]} style
+                data = next((v for v in data.values() if isinstance(v, list)), [])
+            if not isinstance(data, list):
+                raise DatasetError(f"task.path: expected a list of rows in {path}, got {type(data).__name__}")
+            return list(data)
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq  # a dependency of `datasets`
 
-        return pq.read_table(path).to_pylist()
-    raise ValueError(f"path: expected a .jsonl, .json or .parquet file, got {str(path)!r}")
+            try:
+                return pq.read_table(path).to_pylist()
+            except Exception as e:  # pyarrow's errors (ArrowInvalid, ...) share no useful base
+                raise DatasetError(f"task.path: expected a parquet file, {path} is not readable ({type(e).__name__}: {e})") from None
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"task.path: expected UTF-8 text in {path}, got undecodable bytes at offset {e.start}") from None
+    except OSError as e:
+        raise DatasetError(f"task.path: cannot read {path} ({e.strerror or e})") from None
+    raise DatasetError(f"task.path: expected a .jsonl, .json or .parquet file, got {str(path)!r}")
 
 
 def _split_files(folder: Path) -> Tuple[Optional[Path], Optional[Path]]:
@@ -553,7 +602,7 @@ def _dataset_task(name: str, seed: int, n_train: int, n_eval: int, path: Optiona
         if p.is_dir():
             tr_file, ev_file = _split_files(p)
             if tr_file is None:
-                raise ValueError(f"path: expected train.jsonl/.json/.parquet in folder {where!r}, found none")
+                raise DatasetError(f"task.path: expected train.jsonl/.json/.parquet in folder {where!r}, found none")
             train_rows = _read_file(tr_file)
             eval_rows = _read_file(ev_file) if ev_file is not None else None
         else:
@@ -563,7 +612,7 @@ def _dataset_task(name: str, seed: int, n_train: int, n_eval: int, path: Optiona
         train_rows, eval_rows = _load_hub(hub, config or None)
         where = path
     else:
-        raise ValueError(f"path: expected an existing file/folder or a hub id 'owner/name[:config]', got {path!r}")
+        raise DatasetError(f"task.path: expected an existing file/folder or a hub id 'owner/name[:config]', got {path!r}")
 
     train_pool = _rows_to_examples(name, train_rows, where)
     if eval_rows is not None:
@@ -591,6 +640,7 @@ _DESCRIPTIONS = {
     "mul1": "1-digit multiplication (a, b in 1..9), 81 questions",
     "word": f"1-2 step word problems from {len(_WORD_TEMPLATES)} templates",
     "mix": "equal shares of " + ", ".join(MIX_PARTS),
+    "chain": "two-step chains a + b - c (a, b, c in 2..9) solved step by step, 512 questions",
     "gsm8k": "GSM8K (hub openai/gsm8k or a local file), math-verify reward",
     "math": "MATH (hub DigitalLearningGmbH/MATH-lighteval or a local file), math-verify reward",
 }
@@ -699,16 +749,34 @@ def _log_failure_once(fn: Callable, kind: str, exc: Optional[BaseException]) -> 
         logger.warning("reward %s %s; scored 0.0 (logged once per kind)", key[0], kind)
 
 
-def _as_reward(fn: Callable, value: Any) -> Tuple[float, Optional[str]]:
+class RewardValueError(ValueError):
+    """A reward function returned something that is not a reward (see :func:`check_reward`)."""
+
+
+def check_reward(value: Any, reward_range: Optional[Tuple[float, float]] = None) -> float:
+    """``value`` as a float if it is a finite real number (a bool, a numpy scalar or a one-element
+    tensor counts; a string such as ``"1.0"`` does not) within ``reward_range`` (inclusive), else
+    :class:`RewardValueError`. Training and evaluation both score through this check
+    (``Task.reward`` inside :func:`score_safely`)."""
+    if not (isinstance(value, numbers.Real) or hasattr(type(value), "__float__")) or isinstance(value, (str, bytes, complex)):
+        raise RewardValueError(f"reward: expected a real number, got {type(value).__name__} {value!r:.60}")
     try:
         r = float(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise RewardValueError(f"reward: expected a single real number, got {type(value).__name__} ({e})") from None
+    if not math.isfinite(r):
+        raise RewardValueError(f"reward: expected a finite number, got {r}")
+    if reward_range is not None and not reward_range[0] <= r <= reward_range[1]:
+        raise RewardValueError(f"reward: expected a number in [{reward_range[0]}, {reward_range[1]}], got {r}")
+    return r
+
+
+def _as_reward(fn: Callable, value: Any) -> Tuple[float, Optional[str]]:
+    try:
+        return check_reward(value), None
+    except RewardValueError as e:
         _log_failure_once(fn, "error", e)
         return 0.0, "error"
-    if not math.isfinite(r):
-        _log_failure_once(fn, "returned a non-finite value", None)
-        return 0.0, "error"
-    return r, None
 
 
 def score_safely(

@@ -28,9 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from .batch import CreditBatch
-from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import TrainConfig, config_to_dict, parse_credit_args
+from .checkpoint import check_output_dir, latest_checkpoint, load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import SAFE_TO_CHANGE, ConfigError, TrainConfig, config_diff, config_to_dict, parse_credit_args
+from .batch import SIGNALS
 from .forward import forward_response
+from .plan import PlanError, SignalPlan, plan_signals
+from .rollout import StepBatch
 from .spec import CreditPipeline
 
 __all__ = ["Trainer", "NonFiniteError", "forward_response"]
@@ -71,6 +74,13 @@ class Trainer:
         from .tasks import make_task
 
         self.cfg = cfg
+        # everything that needs no model comes first, so that a bad setting, data file, reward
+        # function or run directory fails at once, before a model is loaded
+        cfg.validate()
+        check_output_dir(cfg.output_dir)
+        self.out = Path(cfg.output_dir)
+        if cfg.resume:
+            self._check_resume_config(self.out / "config.json")
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         if cfg.threads:
@@ -79,10 +89,28 @@ class Trainer:
             ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         )
         self.credit = CreditPipeline(cfg.credit, parse_credit_args(cfg.credit_args))
-        need = set(self.credit.required_signals)
-        if cfg.loss.kl_coef > 0:
-            need.add("ref_logprobs")
-        self.need = frozenset(need)
+        # what the spec's methods declare (signals, passes, critic, an adapter, a teacher),
+        # checked against this setting before any model is loaded
+        self.plan = _plan(self.credit, cfg, model=model, reference=reference, teacher=teacher)
+
+        from .losses import get_policy_loss
+
+        self.policy_loss = get_policy_loss(cfg.loss.policy_loss)
+        try:
+            self.policy_loss_cfg = _policy_loss_config(self.policy_loss, cfg.loss, self.credit, cfg.rollout.max_new_tokens)
+        except ValueError as e:  # a loss setting this policy loss cannot take
+            raise ConfigError(" ".join(str(e).split())) from None
+
+        self.task = task if task is not None else make_task(
+            cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval,
+            path=cfg.task.path, reward_fn=cfg.task.reward_fn,
+        )
+        for split in ("train", "eval"):  # an empty split would loop for ever / report a false 0
+            if not getattr(self.task, split):
+                raise ConfigError(
+                    f"task: expected a non-empty {split} split, got 0 examples from task {self.task.name!r} "
+                    f"(n_train {cfg.task.n_train}, n_eval {cfg.task.n_eval}, path {cfg.task.path!r})"
+                )
 
         # -- models ---------------------------------------------------------------------
         from .models import ValueHead, add_lora, is_lora, load_frozen, resolve_model
@@ -93,31 +121,24 @@ class Trainer:
             raise ValueError("tokenizer: expected a tokenizer when a model is passed in, got None")
         if cfg.model.lora and not is_lora(model):
             model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
-        if "hidden_residual" in self.need and not is_lora(model):
-            raise ValueError(
-                f"credit '{self.credit.name}' needs the adapter's hidden-state residual (ARCA): "
-                f"pass --model.lora (config model.lora: true); got a {type(model).__name__} without an adapter"
-            )
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.lora = is_lora(self.model)
-        # reference policy: a model named (or passed) as the reference; else under LoRA the
-        # adapter-off pass (the initial policy, shared with ARCA's residual); else a frozen copy
+        # the models the plan's passes run: a reference model when the plan has a reference pass
+        # (one named or passed in; else a frozen copy of the initial policy; under LoRA the
+        # adapter-off pass is the reference instead), a teacher when its oracle pass is a
+        # teacher's, a value head when it declares a critic
         self.reference = None
-        explicit = reference is not None or cfg.model.reference not in (None, "self")
-        if "ref_logprobs" in self.need and (explicit or not self.lora):
+        if self.plan.reference:
             if reference is None:
-                reference = (
-                    load_frozen(cfg.model.reference)[0]
-                    if cfg.model.reference not in (None, "self")
-                    else _frozen_copy(self.model)
-                )
+                named = cfg.model.reference not in (None, "self")
+                reference = load_frozen(cfg.model.reference)[0] if named else _frozen_copy(self.model)
             self.reference = reference.to(self.device)
         self.teacher = None
         if cfg.model.teacher is not None or teacher is not None:
             self.teacher = (teacher if teacher is not None else load_frozen(cfg.model.teacher)[0]).to(self.device)
         self.critic = None
-        if "values" in self.need:
+        if self.plan.critic is not None:
             hidden_size = _decoder_and_head(self.model)[1].weight.shape[1]
             self.critic = ValueHead(hidden_size).to(self.device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
@@ -130,19 +151,9 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(o.schedule, o.warmup_steps, cfg.steps))
 
-        from .losses import get_policy_loss
-
-        self.policy_loss = get_policy_loss(cfg.loss.policy_loss)
-        self.policy_loss_cfg = _policy_loss_config(self.policy_loss, cfg.loss, self.credit, cfg.rollout.max_new_tokens)
-
-        self.task = task if task is not None else make_task(
-            cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval,
-            path=cfg.task.path, reward_fn=cfg.task.reward_fn,
-        )
         self.rollout = HFRollout(self.model, self.tokenizer)
 
         # -- run state ------------------------------------------------------------------
-        self.out = Path(cfg.output_dir)
         self.step = 0
         self.epoch = 0
         self.offset = 0
@@ -250,102 +261,61 @@ class Trainer:
         t = self.cfg.rollout.temperature
         return t if t > 0 else 1.0
 
-    @torch.no_grad()
-    def _signals(self, seqs: Dict[str, torch.Tensor], need) -> Dict[str, torch.Tensor]:
-        """Every per-token signal in ``need`` for the batch, in micro-batches, without grad."""
-        from .models import adapter_disabled
-        from .signals import hidden_residual, token_signals
+    def _signals(self, batch: StepBatch, plan: SignalPlan) -> Dict[str, torch.Tensor]:
+        """The plan's passes on the batch (passes.run_passes), in micro-batches, without grad."""
+        from .passes import PassInputs, PassModels, run_passes
 
-        want_policy = [s for s in ("entropy", "mode_prob") if s in need]
-        need_hidden = bool({"values", "hidden_residual", "hidden"} & set(need))
-        mb = self.cfg.optim.micro_batch_size
-        N, T = seqs["response_ids"].shape
-        P = seqs["prompt_len"]
-        out: Dict[str, List[torch.Tensor]] = {}
-        hiddens = []
-        self.model.eval()
-        try:
-            for s in range(0, N, mb):
-                sl = slice(s, s + mb)
-                ids, att, resp = seqs["input_ids"][sl], seqs["attention_mask"][sl], seqs["response_ids"][sl]
-                rmask = seqs["response_mask"][sl]
-                h, logits = forward_response(self.model, ids, att, P, hidden=need_hidden)
-                _check_finite(logits, "policy logits (signal pass)", self.step, rmask)
-                sig = token_signals(logits, resp, temperature=self._temperature(), want=("logprobs", *want_policy))
-                for k, v in sig.items():
-                    out.setdefault(k, []).append(v)
-                if need_hidden:
-                    hiddens.append(h)
-                if "ref_logprobs" in need or "hidden_residual" in need:
-                    rl = None
-                    if self.lora and ("hidden_residual" in need or self.reference is None):
-                        with adapter_disabled(self.model):
-                            hb, rl = forward_response(self.model, ids, att, P, hidden="hidden_residual" in need)
-                    if "ref_logprobs" in need and self.reference is not None:
-                        _, rl = forward_response(self.reference, ids, att, P)
-                    if "ref_logprobs" in need:
-                        out.setdefault("ref_logprobs", []).append(
-                            token_signals(rl, resp, temperature=self._temperature(), want=("logprobs",))["logprobs"]
-                        )
-                    if "hidden_residual" in need:
-                        out.setdefault("hidden_residual", []).append(hidden_residual(h[:, :-1], hb[:, :-1]))
-                if "oracle_logprobs" in need:
-                    o_ids, o_att, oP = seqs["oracle_input_ids"][sl], seqs["oracle_attention_mask"][sl], seqs["oracle_prompt_len"]
-                    oracle = self.teacher if self.teacher is not None else self.model
-                    _, ol = forward_response(oracle, o_ids, o_att, oP)
-                    out.setdefault("oracle_logprobs", []).append(
-                        token_signals(ol, resp, temperature=self._temperature(), want=("logprobs",))["logprobs"]
-                    )
-        finally:
-            self.model.train()
-        res = {k: torch.cat(v) for k, v in out.items()}
-        if need_hidden:
-            res["hidden"] = torch.cat(hiddens)
-        if "values" in need:
-            res["values"] = self._values(res["hidden"])
-        return res
+        if plan.oracle is not None and plan.oracle.prompt is not None and batch.oracle_input_ids is None:
+            self._attach_oracle_inputs(batch, plan)
+        inp = PassInputs(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, prompt_len=batch.prompt_len,
+            response_ids=batch.response_ids, response_mask=batch.response_mask,
+            # the oracle's own prompt when it has one, else the student's (a teacher on the batch)
+            oracle_input_ids=batch.oracle_input_ids if batch.oracle_input_ids is not None else batch.input_ids,
+            oracle_attention_mask=batch.oracle_attention_mask if batch.oracle_input_ids is not None else batch.attention_mask,
+            oracle_prompt_len=batch.oracle_prompt_len if batch.oracle_input_ids is not None else batch.prompt_len,
+        )
+        models = PassModels(policy=self.model, reference=self.reference, teacher=self.teacher, critic=self.critic)
+        return run_passes(plan, models, inp, temperature=self._temperature(), micro_batch_size=self.cfg.optim.micro_batch_size,
+                          check=lambda x, what, m: _check_finite(x, what, self.step + 1, m))
+
+    def _attach_oracle_inputs(self, batch: StepBatch, plan: SignalPlan) -> None:
+        """The oracle-prompted inputs of the batch: each row's conversation with the question
+        replaced by the declared oracle prompt (question + reference answer), then its response."""
+        from .passes import join_prompts_and_responses, oracle_texts
+
+        exs = [batch.examples[int(i)] for i in batch.prompt_index.tolist()]
+        render = lambda msgs: self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
+        texts = oracle_texts(plan, [list(e.messages) for e in exs], [e.question for e in exs], [e.answer for e in exs], render)
+        j = join_prompts_and_responses(self.tokenizer, texts, batch.response_ids.cpu(), batch.response_mask.cpu())
+        batch.oracle_input_ids = j["input_ids"].to(self.device)
+        batch.oracle_attention_mask = j["attention_mask"].to(self.device)
+        batch.oracle_prompt_len = j["prompt_len"]
 
     def _saves_rollouts_this_step(self) -> bool:
         nxt = self.step + 1
         return self.cfg.log.save_rollouts and (nxt % self.cfg.log.eval_every == 0 or nxt == self.cfg.steps)
 
-    def _inspect_signals(self) -> frozenset:
-        """Every signal this trainer can compute, beyond the spec's (for the saved rollouts)."""
+    def _inspect_plan(self) -> SignalPlan:
+        """The plan plus every signal this trainer can give (a saved eval batch carries them all,
+        so that `tokencredit inspect` can replay any method on it)."""
         extra = {"entropy", "mode_prob", "oracle_logprobs"}
         if self.lora:  # the adapter-off pass is a reference and gives ARCA's residual
             extra |= {"ref_logprobs", "hidden_residual"}
         if self.reference is not None:
             extra.add("ref_logprobs")
-        return frozenset(extra)
-
-    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
-        v = self.critic(hidden).squeeze(-1)
-        return torch.sigmoid(v) if self._is_pact() else v
-
-    def _is_pact(self) -> bool:
-        return self.credit.estimator.name == "pact"
-
-    def _oracle_inputs(self, examples, prompt_index, response_ids, response_mask) -> Dict[str, Any]:
-        from .methods.oppo import oracle_prompt
-
-        cfg = self.credit.configs.get(self.credit.estimator.name)
-        template = getattr(cfg, "oracle_template", None)
-        texts = []
-        for i in prompt_index.tolist():
-            ex = examples[i]
-            q = oracle_prompt(ex.question, ex.answer, template) if template else oracle_prompt(ex.question, ex.answer)
-            msgs = [m if m.get("role") != "user" else {"role": "user", "content": q} for m in ex.messages]
-            texts.append(self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
-        return _join(self.tokenizer, texts, response_ids, response_mask, prefix="oracle_")
+        return self.plan.with_signals(extra)
 
     # -- one step --------------------------------------------------------------------------
     def train_step(self) -> Dict[str, float]:
+        """One step, in the order it runs: collect, signals, credit, policy update, critic update."""
+        from .diagnostics import credit_diagnostics
+
         cfg = self.cfg
         t0 = time.perf_counter()
+        # 1. collect: K samples per prompt, rewards (DAPO: regenerate to fill, bounded)
         col = self._collect()
-        batch = _merge(col["parts"], self.tokenizer, cfg.rollout.samples_per_prompt)
-        if batch is not None:
-            batch = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch = StepBatch.assemble(col["parts"], self.tokenizer.pad_token_id)
         t_roll = time.perf_counter() - t0
         metrics: Dict[str, float] = {
             "step": float(self.step + 1),
@@ -357,47 +327,43 @@ class Trainer:
         if batch is None:  # dynamic sampling found no group with signal
             metrics["update/skipped"] = 1.0
             return metrics
-        N, T = batch["response_ids"].shape
-        mask = batch["response_mask"].bool()
+        batch = batch.to(self.device)
+        mask = batch.response_mask.bool()
         metrics.update({
             "response/len_mean": float(mask.sum(1).float().mean()),
-            "response/truncated_frac": float(batch["truncated"].float().mean()),
-            "reward/shaped_mean": float(batch["rewards"].mean()),
-            "groups/count": float(N // cfg.rollout.samples_per_prompt),
+            "response/truncated_frac": float(batch.truncated.float().mean()),
+            "reward/shaped_mean": float(batch.rewards.mean()),
+            "groups/count": float(len(batch) // cfg.rollout.samples_per_prompt),
         })
-        # the batch of an eval step is saved for `tokencredit inspect`: compute every signal the
-        # model can give for it (not only the spec's), so that any method can be replayed on it
-        need = self.need | self._inspect_signals() if self._saves_rollouts_this_step() else self.need
-        if "oracle_logprobs" in need:
-            batch.update(self._oracle_inputs(batch["examples"], batch["prompt_index"], batch["response_ids"], batch["response_mask"]))
 
-        # signals, then credit (a spec reads only the fields it declares)
-        sig = self._signals(batch, need) if need else {}
-        old_logprobs = sig.get("logprobs", batch["behaviour_logprobs"])
-        fields = {k: sig[k] for k in ("entropy", "mode_prob", "ref_logprobs", "hidden_residual", "oracle_logprobs", "values") if k in sig}
+        # 2. signals: the plan's passes (a step whose batch is saved for `inspect` computes every
+        # signal the trainer can give, so that any method can be replayed on it)
+        plan = self._inspect_plan() if self._saves_rollouts_this_step() else self.plan
+        sig = self._signals(batch, plan) if plan.passes else {}
+        old_logprobs = sig.get("logprobs", batch.behaviour_logprobs)
+
+        # 3. credit: stateful methods step their controller from this pre-update batch first and
+        # the credit reads the updated state (STARE's reference order); that state is kept for
+        # the saved rollouts so that a replay computes the same credit
         cb = CreditBatch(
-            response_mask=batch["response_mask"], rewards=batch["rewards"], group_ids=batch["prompt_index"],
-            logprobs=old_logprobs, old_logprobs=batch["behaviour_logprobs"], **fields,
+            response_mask=batch.response_mask, rewards=batch.rewards, group_ids=batch.prompt_index,
+            logprobs=old_logprobs, old_logprobs=batch.behaviour_logprobs,
+            **{k: sig[k] for k in SIGNALS if k in sig and k not in ("logprobs", "old_logprobs")},
         )
-        # stateful methods step their controller from this pre-update batch first, and the credit
-        # reads the updated state (STARE's reference order); that state, a few numbers, is kept
-        # for the saved rollouts so that a replay computes the same credit
         credit = self.credit(cb)
         credit_state = copy.deepcopy(self.credit.state_dict())
-        adv = credit.advantages
         metrics.update(credit.metrics)
-        from .diagnostics import credit_diagnostics
-
         metrics.update(credit_diagnostics(cb, credit))
 
-        # policy update
-        upd = self._update_policy(batch, adv, old_logprobs, sig.get("ref_logprobs"))
-        metrics.update(upd)
+        # 4. policy update
+        metrics.update(self._update_policy(batch, credit.advantages, old_logprobs, sig.get("ref_logprobs")))
 
-        # critic update (after the actor, as PACT prescribes; GAE's order does not matter here)
+        # 5. critic update, after the actor (PACT's order; the declared critic says whether it
+        # trains on the updated actor's pass)
         if self.critic is not None:
             metrics.update(self._update_critic(batch, sig, credit, old_logprobs))
 
+        # 6. log
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         dt = time.perf_counter() - t0
         metrics["time/step_s"] = dt
@@ -411,9 +377,9 @@ class Trainer:
         from .signals import token_signals
 
         cfg = self.cfg
-        N, T = batch["response_ids"].shape
-        P = batch["prompt_len"]
-        mask = batch["response_mask"]
+        N, T = batch.response_ids.shape
+        P = batch.prompt_len
+        mask = batch.response_mask
         mb = cfg.optim.micro_batch_size
         total_tokens = float(mask.sum())
         agg_mode = self.policy_loss_cfg.agg_mode
@@ -430,11 +396,11 @@ class Trainer:
                 m = mask[sl]
                 if m.sum() == 0:
                     continue
-                _, logits = forward_response(self.model, batch["input_ids"][sl], batch["attention_mask"][sl], P)
+                _, logits = forward_response(self.model, batch.input_ids[sl], batch.attention_mask[sl], P)
                 _check_finite(logits, "policy logits", self.step + 1, m)
                 # the first epoch's entropy (logged) comes out of the same pass over the logits
                 want = ("logprobs", "entropy") if epoch == 0 else ("logprobs",)
-                sig = token_signals(logits, batch["response_ids"][sl], temperature=self._temperature(), want=want)
+                sig = token_signals(logits, batch.response_ids[sl], temperature=self._temperature(), want=want)
                 lp = sig["logprobs"]
                 loss, lm = self.policy_loss(lp, old_logprobs[sl], adv[sl], m, self.policy_loss_cfg)
                 if cfg.loss.kl_coef > 0:
@@ -471,65 +437,72 @@ class Trainer:
         out["entropy/mean"] = ent_sum / max(total_tokens, 1.0)
         return out
 
-    def _update_critic(self, batch, sig, credit, old_logprobs) -> Dict[str, float]:
-        mask = batch["response_mask"]
-        if self._is_pact():
-            from .methods.pact import pact_critic_is_weights, pact_critic_loss
-
-            # PACT: one extra forward of the *updated* actor gives pi_new and the hidden states the
-            # critic trains on (the policy whose V it estimates); each critic sample is weighted by
-            # the detached per-token ratio pi_new / pi_old, masked outside [is_low, is_high]
-            cfg_p = self.credit.configs["pact"]
-            new = self._signals(batch, frozenset({"hidden"}))
+    def _update_critic(self, batch: StepBatch, sig, credit, old_logprobs) -> Dict[str, float]:
+        """The declared critic's step: its loss on the value head's output, on the hidden states
+        of the pre-update pass, or (``after_actor``) of one more pass of the updated actor, each
+        sample weighted by the declared importance weights pi_new / pi_old."""
+        spec = self.plan.critic
+        mask = batch.response_mask
+        out: Dict[str, float] = {}
+        weights = None
+        if spec.after_actor:
+            new = self._signals(batch, SignalPlan.policy_only(hidden=True))
             hidden = new["hidden"].detach()
-            w = pact_critic_is_weights(new["logprobs"], old_logprobs, mask, low=cfg_p.is_low, high=cfg_p.is_high)
-            rewards = batch["rewards"]
-            lo, hi = cfg_p.reward_range
-            for _ in range(self.cfg.critic.steps):
-                self.critic_opt.zero_grad(set_to_none=True)
-                logits = self.critic(hidden[:, :-1]).squeeze(-1)
-                loss = pact_critic_loss(logits, (rewards - lo) / (hi - lo), mask, weights=w)
-                _check_finite(loss.detach(), "critic loss", self.step + 1)
-                loss.backward()
-                self.critic_opt.step()
+            weights = spec.is_weights(new["logprobs"], old_logprobs, mask)
             valid = mask.bool()
-            return {
-                "critic/loss": float(loss.detach()),
-                "critic/is_kept_frac": float(((w > 0) & valid).sum() / valid.sum().clamp_min(1)),
-                "critic/is_ratio_mean": float(torch.exp(new["logprobs"] - old_logprobs)[valid].mean()) if valid.any() else 1.0,
-            }
-        hidden = sig["hidden"].detach()
-        returns = credit.returns
+            out["critic/is_kept_frac"] = float(((weights > 0) & valid).sum() / valid.sum().clamp_min(1))
+            out["critic/is_ratio_mean"] = float(torch.exp(new["logprobs"] - old_logprobs)[valid].mean()) if valid.any() else 1.0
+        else:
+            hidden = sig["hidden"].detach()
         for _ in range(self.cfg.critic.steps):
             self.critic_opt.zero_grad(set_to_none=True)
-            v = self.critic(hidden[:, :-1]).squeeze(-1)
-            loss = ((v - returns) ** 2 * mask).sum() / mask.sum().clamp_min(1)
+            head_out = self.critic(hidden[:, :-1]).squeeze(-1)
+            loss = spec.loss(head_out, rewards=batch.rewards, returns=credit.returns, mask=mask, weights=weights)
             _check_finite(loss.detach(), "critic loss", self.step + 1)
             loss.backward()
             self.critic_opt.step()
-        return {"critic/loss": float(loss.detach())}
+        out["critic/loss"] = float(loss.detach())
+        return out
 
     # -- eval -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
+        """Greedy accuracy and mean@k on the eval split. Rewards go through the same guard as in
+        training (:func:`~tokencredit.tasks.score_safely`: ``task.reward_timeout_s``, and only a
+        finite number in the task's range counts); a failed one scores 0 and is counted in
+        ``eval/failed_error`` / ``eval/failed_timeout``."""
+        from .tasks import score_safely
+
         ex = self.task.eval
+        if not ex:  # never report an accuracy of an empty split
+            raise ConfigError("task: expected a non-empty eval split to evaluate, got 0 examples")
         k = self.cfg.log.eval_samples
         greedy, meank, samples = [], [], []
+        failed = {"error": 0, "timeout": 0}
+
+        def score(text, example) -> float:
+            r, why = score_safely(self.task.reward, text, example, self.cfg.task.reward_timeout_s)
+            if why is not None:
+                failed[why] += 1
+            return r
+
         chunk = 16
         for s in range(0, len(ex), chunk):
             part = ex[s : s + chunk]
             rb = self._generate(part, num_samples=1, temperature=0.0)
             for i, text in enumerate(rb.texts):
-                greedy.append(self.task.reward(text, part[i]))
+                greedy.append(score(text, part[i]))
                 samples.append({"id": part[i].id, "question": part[i].question, "answer": part[i].answer, "greedy": text, "reward": greedy[-1]})
             if k > 0:
                 rbk = self._generate(part, num_samples=k, temperature=self.cfg.rollout.temperature,
                                      seed=self.cfg.seed * 1_000_003 + self.step * 1009 + s)
                 for i, text in enumerate(rbk.texts):
-                    meank.append(self.task.reward(text, part[int(rbk.prompt_index[i])]))
-        metrics = {"eval/greedy_acc": float(np.mean(greedy)) if greedy else 0.0}
+                    meank.append(score(text, part[int(rbk.prompt_index[i])]))
+        metrics = {"eval/greedy_acc": float(np.mean(greedy))}
         if meank:
             metrics[f"eval/mean@{k}"] = float(np.mean(meank))
+        metrics["eval/failed_error"] = float(failed["error"])
+        metrics["eval/failed_timeout"] = float(failed["timeout"])
         d = self.out / "eval"
         d.mkdir(parents=True, exist_ok=True)
         with open(d / f"samples_step_{self.step:08d}.jsonl", "w") as f:
@@ -544,8 +517,8 @@ class Trainer:
         lb = self._last_batch
         batch, cb, credit = lb["batch"], lb["credit_batch"], lb["credit"]
         fields = {k: v for k, v in cb.to_dict().items() if v is not None}
-        ids = batch["response_ids"]
-        tokens = [[self.tokenizer.decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, batch["response_mask"])]
+        ids = batch.response_ids
+        tokens = [[self.tokenizer.decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, batch.response_mask)]
         torch.save({
             "credit": self.credit.name,
             # the run's method settings and state (STARE's controller, ...), so that a replay of
@@ -558,8 +531,8 @@ class Trainer:
             "token_weights": credit.token_weights,
             "response_ids": ids,
             "tokens": tokens,
-            "texts": batch["texts"],
-            "questions": [batch["examples"][int(i)].question for i in batch["prompt_index"]],
+            "texts": batch.texts,
+            "questions": [batch.examples[int(i)].question for i in batch.prompt_index],
         }, path)
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -628,10 +601,11 @@ class Trainer:
 
         cfg = self.cfg
         if cfg.resume:
-            ck = latest_checkpoint(self.out / "checkpoints")
-            if ck is None:
-                raise FileNotFoundError(f"--resume: no checkpoint under {self.out / 'checkpoints'}")
-            self.load_state_dict(load_checkpoint(ck))
+            # the newest intact checkpoint (a damaged one is skipped with a warning), refused if
+            # it was trained with other settings than these
+            ck, sd = load_latest_checkpoint(self.out / "checkpoints")
+            self._check_resume_config(sd.get("config"), where=ck / "state.pt")
+            self.load_state_dict(sd)
             print(f"resumed from {ck} at step {self.step}")
         self._open_logs()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.log.progress, desc=f"train {self.credit.name}")
@@ -682,6 +656,30 @@ class Trainer:
             self._metrics_file.close()
         return last
 
+    def _check_resume_config(self, saved: Any, where: Optional[Path] = None) -> None:
+        """Refuse to resume a run whose training-relevant settings differ from this config's.
+
+        ``saved`` is the run's config (a dict, or the path of its ``config.json``; a missing file
+        is no objection: the checkpoint's own copy is checked when it is loaded). Only the fields
+        in :data:`~tokencredit.config.SAFE_TO_CHANGE` may differ."""
+        if isinstance(saved, Path):
+            if not saved.is_file():
+                return
+            where = saved
+            try:
+                saved = json.loads(saved.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                return  # unreadable: the checkpoint's copy decides
+        if not isinstance(saved, dict):
+            return
+        diffs = config_diff(saved, json.loads(json.dumps(config_to_dict(self.cfg))))
+        if diffs:
+            raise ConfigError(
+                f"resume: the run in {str(self.out)!r} was trained with other settings ({where}): "
+                f"{'; '.join(diffs)}. Resume with its settings (only {', '.join(sorted(SAFE_TO_CHANGE))} "
+                f"may change) or train in a new output_dir"
+            )
+
     def _on_sigint(self, signum, frame) -> None:
         if self._stop_requested or not self._dirty:
             raise KeyboardInterrupt
@@ -700,6 +698,23 @@ class Trainer:
 
 # ---------------------------------------------------------------------------------------
 # helpers
+
+
+def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=None, teacher=None) -> SignalPlan:
+    """The passes a step of ``credit`` needs under this config (before any model is loaded: a
+    declared need that the setting cannot meet is a one-line ConfigError)."""
+    from .models import is_lora
+
+    try:
+        return plan_signals(
+            credit,
+            lora=bool(cfg.model.lora or (model is not None and is_lora(model))),
+            kl=cfg.loss.kl_coef > 0,
+            explicit_reference=reference is not None or cfg.model.reference not in (None, "self"),
+            teacher=teacher is not None or cfg.model.teacher is not None,
+        )
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _frozen_copy(model):
@@ -754,64 +769,3 @@ def _policy_loss_config(loss, lc, credit=None, max_new_tokens=None):
     return cls(**{k: v for k, v in candidates.items() if k in names})
 
 
-def _join(tokenizer, prompt_texts, response_ids, response_mask, prefix=""):
-    """Left-padded prompts + right-padded responses -> one [N, P + T] input."""
-    enc = tokenizer(prompt_texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids = torch.cat([enc["input_ids"], response_ids], dim=1)
-    att = torch.cat([enc["attention_mask"], response_mask.to(enc["attention_mask"].dtype)], dim=1)
-    return {f"{prefix}input_ids": ids, f"{prefix}attention_mask": att, f"{prefix}prompt_len": enc["input_ids"].shape[1]}
-
-
-def _merge(parts, tokenizer, group_size: int):
-    """Concatenate the kept groups of one or more rollout rounds into one padded batch."""
-    rows = []
-    examples = []
-    for part in parts:
-        rb, keep = part["rb"], part["keep"]
-        base = len(examples)
-        examples.extend(part["examples"])
-        for i in range(len(rb.texts)):
-            if keep[i]:
-                rows.append((part, i, base + int(rb.prompt_index[i])))
-    if not rows:
-        return None
-    pad = tokenizer.pad_token_id
-    P = max(int(p["rb"].prompt_ids.shape[1]) for p, _, _ in rows)
-    T = max(int(p["rb"].response_mask[i].sum()) for p, i, _ in rows)
-    T = max(T, 1)
-    N = len(rows)
-    prompt_ids = torch.full((N, P), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((N, P), dtype=torch.long)
-    resp = torch.full((N, T), pad, dtype=torch.long)
-    rmask = torch.zeros((N, T), dtype=torch.long)
-    blp = torch.zeros((N, T))
-    rewards = torch.zeros(N)
-    truncated = torch.zeros(N, dtype=torch.bool)
-    pidx = torch.zeros(N, dtype=torch.long)
-    texts = []
-    for j, (part, i, gi) in enumerate(rows):
-        rb = part["rb"]
-        p_ids, p_m = rb.prompt_ids[i], rb.prompt_mask[i]
-        prompt_ids[j, P - p_ids.shape[0] :] = p_ids
-        prompt_mask[j, P - p_m.shape[0] :] = p_m
-        L = int(rb.response_mask[i].sum())
-        resp[j, :L] = rb.response_ids[i, :L]
-        rmask[j, :L] = 1
-        blp[j, :L] = rb.behaviour_logprobs[i, :L]
-        rewards[j] = part["rewards"][i]
-        truncated[j] = bool(rb.truncated[i])
-        pidx[j] = gi
-        texts.append(rb.texts[i])
-    return {
-        "input_ids": torch.cat([prompt_ids, resp], 1),
-        "attention_mask": torch.cat([prompt_mask, rmask], 1),
-        "prompt_len": P,
-        "response_ids": resp,
-        "response_mask": rmask,
-        "behaviour_logprobs": blp,
-        "rewards": rewards,
-        "truncated": truncated,
-        "prompt_index": pidx,
-        "texts": texts,
-        "examples": examples,
-    }

@@ -123,11 +123,13 @@ def belief_trajectory(v0: Tensor, evidence: Tensor, mask: Tensor, eps: float, fo
     """
     if form == "log_odds":
         e = torch.where(mask, evidence, torch.zeros_like(evidence))
-        l_after = torch.logit(v0).unsqueeze(1) + e.cumsum(1)
-        # l_{t-1}: the previous column of l_after (l_0 before the first), so that before[:, t]
-        # is after[:, t - 1] bitwise and the credits telescope exactly
-        l_before = torch.cat([torch.logit(v0).unsqueeze(1), l_after[:, :-1]], dim=1)
-        return torch.sigmoid(l_before), torch.sigmoid(l_after)
+        l0 = torch.logit(v0).unsqueeze(1)
+        after = torch.sigmoid(l0 + e.cumsum(1))
+        # V_{t-1} is the previous column of V_t itself (V_0 before the first), so that
+        # before[:, t] is after[:, t - 1] bitwise and the credits telescope exactly (a second
+        # sigmoid over a shifted copy may round differently in vectorised and scalar lanes)
+        before = torch.cat([torch.sigmoid(l0), after[:, :-1]], dim=1)
+        return before, after
     v = v0
     before, after = [], []
     for t in range(mask.shape[1]):

@@ -1,0 +1,142 @@
+"""Build the bundled credit-fidelity reference set (src/tokencredit/data/fidelity_reference.pt).
+
+    .venv/bin/python scripts/build_fidelity_set.py --threads 1            # the shipped set
+    .venv/bin/python scripts/build_fidelity_set.py --threads 1 --max-minutes 20   # stop (resumably)
+
+1. A short LoRA run of the embedded SmolLM2-135M-Instruct on the multi-step task ``chain``
+   (credit ``pact``: PACT's actor is GRPO's policy gradient with a learned baseline, and its
+   critic is what gae / pact are scored with), so that the adapter residual, the divergence
+   from the adapter-off reference, the oracle pass and every other signal are non-trivial.
+2. One more batch (``--prompts`` x ``--samples`` responses) from the policy as the run left
+   it: the trainer's own step with the learning rate set to 0 (the weights are checked to be
+   unchanged), so the batch carries every signal and the credit state exactly as a run saves
+   them (``_save_rollouts``).
+3. Monte Carlo ``V(h_t)`` at every ``--stride``-th position, ``-M`` continuations each, from
+   that same policy (``tokencredit.fidelity.build_estimates``), with the shared-prefix KV
+   cache; the first ``--baseline-batches`` batches are also run with plain ``generate`` for
+   the throughput figure.
+
+Everything is written under ``--work-dir`` as it goes (the run, the batch, the adapter
+weights), so a rerun resumes the estimates where they stopped. The cost is printed at the end
+and kept in the file (``build``); docs/fidelity.md has the numbers of the shipped set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "src" / "tokencredit" / "data" / "fidelity_reference.pt"
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", default=str(DEFAULT_OUT))
+    p.add_argument("--work-dir", default=str(ROOT / "build" / "fidelity_set"))
+    p.add_argument("--task", default="chain")
+    p.add_argument("--credit", default="pact")
+    p.add_argument("--steps", type=int, default=4, help="LoRA training steps before the batch")
+    p.add_argument("--train-prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=16, help="prompts of the scored batch")
+    p.add_argument("--samples", type=int, default=4, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("-M", type=int, default=16)
+    p.add_argument("--stride", type=int, default=8)
+    p.add_argument("--rows-per-batch", type=int, default=64)
+    p.add_argument("--baseline-batches", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None)
+    return p.parse_args()
+
+
+def main() -> int:
+    a = parse()
+    torch.set_num_threads(a.threads)
+    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.fidelity import build_estimates, load_estimates, score, format_table
+    from tokencredit.tasks import score_safely
+    from tokencredit.trainer import Trainer
+
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cfg = TrainConfig(
+        credit=a.credit, steps=a.steps, seed=a.seed, threads=a.threads, output_dir=str(work / "run"),
+        model=ModelConfig(lora=True),
+        task=TaskConfig(name=a.task, n_eval=8),
+        rollout=RolloutConfig(prompts_per_step=a.train_prompts, samples_per_prompt=a.samples,
+                              max_new_tokens=a.max_new_tokens, temperature=a.temperature),
+        optim=OptimConfig(lr=a.lr, micro_batch_size=16),
+        log=LogConfig(eval_every=10_000, eval_samples=0, eval_at_start=False, progress=True),
+    )
+    trainer = Trainer(cfg)
+    rollouts, policy = work / "rollouts.pt", work / "policy.pt"
+    if rollouts.exists() and policy.exists():
+        sd = torch.load(policy, map_location="cpu", weights_only=True)
+        params = dict(trainer.model.named_parameters())
+        with torch.no_grad():
+            for n, v in sd.items():
+                params[n].copy_(v)
+        saved = torch.load(rollouts, map_location="cpu", weights_only=True)
+        print(f"resuming from {rollouts}", flush=True)
+        train_s = float(json.loads((work / "cost.json").read_text())["train_s"])
+    else:
+        trainer.train()
+        # one more step at lr 0: the trainer's own batch, signals and credit, weights unchanged
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.cfg.rollout.prompts_per_step = a.prompts
+        trainer.cfg.log.eval_every = 1
+        trainer.cfg.log.save_rollouts = True
+        for g in trainer.optimizer.param_groups:
+            g["lr"] = 0.0
+        trainer.train_step()
+        trainer.step += 1
+        after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert all(torch.equal(before[n], after[n]) for n in before), "lr 0 changed the weights"
+        trainer._save_rollouts(rollouts)
+        torch.save(before, policy)
+        saved = torch.load(rollouts, map_location="cpu", weights_only=True)
+        train_s = time.perf_counter() - t0
+        (work / "cost.json").write_text(json.dumps({"train_s": train_s}))
+    task = trainer.task
+    by_q = {e.question: e for e in list(task.train) + list(task.eval)}
+    exs = [by_q[q] for q in saved["questions"]]
+    saved = dict(saved, messages=[list(e.messages) for e in exs])
+
+    def reward(text, b):
+        return score_safely(task.reward, text, exs[b], cfg.task.reward_timeout_s)
+
+    est = build_estimates(
+        saved, trainer.model, trainer.tokenizer, reward, a.output, M=a.M, stride=a.stride, temperature=a.temperature,
+        max_new_tokens=a.max_new_tokens, rows_per_batch=a.rows_per_batch, seed=a.seed,
+        baseline_batches=a.baseline_batches,
+        policy=f"SmolLM2-135M-Instruct + LoRA after {a.steps} steps of {a.credit} on {a.task} (lr {a.lr})",
+        max_seconds=None if a.max_minutes is None else a.max_minutes * 60,
+    )
+    est["build"]["train_s"] = train_s
+    est["build"]["threads"] = a.threads
+    torch.save(est, a.output)
+    b = est["build"]
+    print(json.dumps({k: v for k, v in b.items()}, indent=1, default=str))
+    if b.get("baseline"):
+        bl = b["baseline"]
+        print(f"throughput: shared prefix {bl['shared_tokens'] / bl['shared_s']:.1f} tok/s, "
+              f"plain generate {bl['plain_tokens'] / bl['plain_s']:.1f} tok/s on the same {bl['batches']} batch(es)")
+    try:
+        print(format_table(score(load_estimates(a.output))))
+    except ValueError as e:
+        print(f"not scored yet: {e}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

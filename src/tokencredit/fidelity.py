@@ -1,0 +1,824 @@
+"""Credit fidelity: every method's token credit scored against ground-truth credit.
+
+PACT's axioms give the true credit of token t under the current policy,
+``c_t = V(h_{t+1}) - V(h_t)``, where ``V(h)`` is the probability that the policy, continuing
+from prefix ``h`` (the prompt and the first t response tokens), succeeds; after the last token
+``V := R``. This module
+
+1. **estimates V by Monte Carlo** (:func:`build_estimates`): from every response position
+   (or every ``stride``-th one: credit is then compared per span of ``stride`` tokens), ``M``
+   continuations are sampled from the policy that produced the rollouts, at the rollout
+   temperature and within the rollout's token budget, and scored by the task's reward (with its
+   timeout). The continuations of one prefix share that prefix's KV cache
+   (:func:`tokencredit.forward.prompt_cache`, as rollouts share a prompt) and several prefixes
+   are batched. The reward of every continuation is kept (``samples [B, T, M]``, NaN where not
+   estimated yet), so standard errors, split halves and bootstraps need nothing else; the file is
+   rewritten after every batch, and a rerun resumes where it stopped.
+2. **scores** (:func:`score`) every registered method and a few compositions, replayed on the
+   estimates' batch exactly as ``tokencredit inspect`` replays
+   (:func:`tokencredit.inspector.replay`), per trajectory and then averaged, with a bootstrap
+   interval over trajectories (:func:`trajectory_metrics` defines the four metrics). The
+   split-half row (the estimate from half the continuations against the other half) is the
+   noise ceiling.
+
+The estimates file is one ``torch.save`` of tensors and plain values (read back with
+``weights_only=True``): the rollouts as the trainer saved them, their fingerprint, the
+settings, the policy's description and the samples. ``tokencredit fidelity`` with no argument
+scores the bundled reference set (``tokencredit/data/fidelity_reference.pt``, built by
+``scripts/build_fidelity_set.py``; docs/fidelity.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "FidelityConfig",
+    "FidelityError",
+    "REFERENCE_SET",
+    "batch_fingerprint",
+    "build_estimates",
+    "check_policy",
+    "credit_spans",
+    "load_estimates",
+    "main",
+    "sample_continuations",
+    "score",
+    "span_values",
+    "trajectory_metrics",
+]
+
+FORMAT = "tokencredit-fidelity/1"
+REFERENCE_SET = Path(__file__).parent / "data" / "fidelity_reference.pt"
+
+
+class FidelityError(ValueError):
+    """Bad input to the fidelity instrument; the message is one line naming what does not match."""
+
+
+@dataclass
+class FidelityConfig:
+    """Settings of the scores (not of the estimates)."""
+
+    top_frac: float = 0.1  # pivotal mass: share of |A| on the top 10% tokens by |c| (issue 10)
+    # contamination: positive credit on tokens whose true credit is below -delta. With M = 16 the
+    # standard error of one c_t is up to sqrt(2 * 0.25 / 16) ~ 0.18 (ours: docs/fidelity.md),
+    # so a smaller delta would mostly count noise
+    delta: float = 0.1
+    n_boot: int = 1000  # bootstrap resamples of the trajectories
+    level: float = 0.95  # two-sided bootstrap interval
+    seed: int = 0  # bootstrap and the random-credit row
+
+    def __post_init__(self):
+        if not 0 < self.top_frac <= 1:
+            raise FidelityError(f"top_frac: expected in (0, 1], got {self.top_frac}")
+        if not self.delta >= 0:
+            raise FidelityError(f"delta: expected >= 0, got {self.delta}")
+        if int(self.n_boot) != self.n_boot or self.n_boot < 1:
+            raise FidelityError(f"n_boot: expected an integer >= 1, got {self.n_boot}")
+        if not 0 < self.level < 1:
+            raise FidelityError(f"level: expected in (0, 1), got {self.level}")
+
+
+# ---------------------------------------------------------------------------------------
+# the batch and its fingerprint
+
+
+def _lengths(saved: Dict[str, Any]) -> List[int]:
+    return [int(x) for x in torch.as_tensor(saved["signals"]["response_mask"]).bool().sum(1)]
+
+
+def response_rows(saved: Dict[str, Any]) -> List[List[int]]:
+    """The response token ids of every row, without padding."""
+    ids = saved.get("response_ids")
+    if ids is None:
+        raise FidelityError("ROLLOUTS: no 'response_ids' (saved by the trainer's _save_rollouts); cannot continue its prefixes")
+    ids = torch.as_tensor(ids)
+    return [ids[i, :n].tolist() for i, n in enumerate(_lengths(saved))]
+
+
+def batch_fingerprint(saved: Dict[str, Any]) -> str:
+    """sha1 of the questions, response tokens and rewards: which batch an estimates file is of."""
+    h = hashlib.sha1()
+    for q, row, r in zip(saved.get("questions") or [""] * len(_lengths(saved)), response_rows(saved),
+                         torch.as_tensor(saved["signals"]["rewards"]).float().tolist()):
+        h.update(json.dumps([str(q), row, round(float(r), 6)]).encode())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------
+# Monte Carlo continuations
+
+
+def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M: int, budgets: Sequence[int], *,
+                         temperature: float, top_p: float = 1.0, share: bool = True) -> Tuple[List[List[List[int]]], int]:
+    """``M`` continuations of every prefix (token ids), each cut at its first stop token
+    (kept) and at its own ``budgets[i]`` new tokens. Returns ``(conts, n_generated)`` with
+    ``conts[i][m]`` a list of ids and ``n_generated`` the continuation tokens kept.
+
+    With ``share`` each distinct prefix but its last token runs once and its KV cache is
+    indexed out to its M rows (what :class:`~tokencredit.rollout.HFRollout` does for prompts);
+    without it ``generate`` prefills every row itself (the baseline of the throughput figure).
+    Sampling uses the global torch RNG."""
+    from transformers import GenerationConfig
+
+    from .forward import prompt_cache
+    from .rollout import HFRollout, _finite_check_processor, response_mask_from_ids
+
+    if M < 1 or len(prefixes) == 0:
+        raise FidelityError(f"M: expected >= 1 continuations of >= 1 prefix, got M={M}, {len(prefixes)} prefixes")
+    ro = HFRollout(model, tokenizer)
+    stop_ids = ro._stop_ids()
+    pad = int(tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    U = len(prefixes)
+    L = max(len(p) for p in prefixes)
+    ids = torch.full((U, L), pad, dtype=torch.long)
+    att = torch.zeros((U, L), dtype=torch.long)
+    for i, p in enumerate(prefixes):
+        ids[i, L - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        att[i, L - len(p):] = 1
+    inverse = torch.arange(U).repeat_interleave(M)
+    greedy = temperature == 0
+    sampling = {} if greedy else {"temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
+    gen_cfg = GenerationConfig(max_new_tokens=int(max(budgets)), do_sample=not greedy, **sampling,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=pad)
+    rows_ids, rows_att = ids[inverse].to(device), att[inverse].to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), ro._clean_generation_config(stop_ids):
+            extra = {}
+            if share and L >= 2:
+                _, cache = prompt_cache(model, ids[:, : L - 1].to(device), att[:, : L - 1].to(device),
+                                        torch.arange(U, device=device), inverse.to(device))
+                extra["past_key_values"] = cache
+            out = model.generate(input_ids=rows_ids, attention_mask=rows_att, generation_config=gen_cfg,
+                                 logits_processor=[_finite_check_processor()], **extra)
+    finally:
+        model.train(was_training)
+    new = out[:, L:].cpu() if torch.is_tensor(out) else out.sequences[:, L:].cpu()
+    keep = response_mask_from_ids(new, stop_ids).bool() if new.shape[1] else torch.zeros_like(new, dtype=torch.bool)
+    conts: List[List[List[int]]] = []
+    n_gen = 0
+    for i in range(U):
+        row = []
+        for m in range(M):
+            r = i * M + m
+            toks = new[r][keep[r]].tolist()[: int(budgets[i])]
+            n_gen += len(toks)
+            row.append(toks)
+        conts.append(row)
+    return conts, n_gen
+
+
+def mc_positions(length: int, stride: int) -> List[int]:
+    """Positions whose V is estimated: 0, stride, 2*stride, ... below ``length``."""
+    return list(range(0, max(int(length), 1), int(stride)))
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def check_policy(model, tokenizer, saved: Dict[str, Any], temperature: float, *, tol: float = 0.05) -> float:
+    """Refuse a model that did not produce the batch: its log-probs of the saved responses
+    (teacher-forced, at ``temperature``) must match the behaviour log-probs saved with them
+    (mean absolute difference <= ``tol`` nats). Returns that difference."""
+    from .forward import forward_response
+    from .signals import token_signals
+
+    sig = saved["signals"]
+    behaviour = sig.get("old_logprobs") if sig.get("old_logprobs") is not None else sig.get("logprobs")
+    if behaviour is None:
+        return float("nan")
+    rows = response_rows(saved)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    top = max((max(r) for r in rows if r), default=0)
+    if vocab and top >= vocab:
+        raise FidelityError(f"ROLLOUTS: the batch is from another model: token id {top} >= this model's vocabulary size {vocab}")
+    prompts = _prompt_rows(saved, tokenizer)
+    diffs = []
+    device = next(model.parameters()).device
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for s in range(0, len(rows), 16):
+                ps, rs = prompts[s: s + 16], rows[s: s + 16]
+                P, T = max(len(p) for p in ps), max(max(len(r) for r in rs), 1)
+                pad = int(tokenizer.pad_token_id)
+                ids = torch.full((len(ps), P + T), pad, dtype=torch.long)
+                att = torch.zeros_like(ids)
+                for i, (p, r) in enumerate(zip(ps, rs)):
+                    ids[i, P - len(p): P] = torch.as_tensor(p)
+                    att[i, P - len(p): P] = 1
+                    ids[i, P: P + len(r)] = torch.as_tensor(r, dtype=torch.long)
+                    att[i, P: P + len(r)] = 1
+                _, logits = forward_response(model, ids.to(device), att.to(device), P)
+                lp = token_signals(logits, ids[:, P:].to(device), temperature=temperature if temperature > 0 else 1.0,
+                                   want=("logprobs",))["logprobs"].cpu()
+                for i, r in enumerate(rs):
+                    diffs.append((lp[i, : len(r)] - torch.as_tensor(behaviour)[s + i, : len(r)].float()).abs())
+    finally:
+        model.train(was)
+    d = float(torch.cat(diffs).mean()) if diffs else 0.0
+    if not d <= tol:
+        raise FidelityError(f"ROLLOUTS: the batch was not sampled from this model: mean |log-prob - saved behaviour log-prob| "
+                            f"= {d:.3f} nats > {tol} (another model, adapter or temperature?)")
+    return d
+
+
+def _prompt_rows(saved: Dict[str, Any], tokenizer) -> List[List[int]]:
+    """Prompt token ids per row: saved ``prompt_ids`` if present, else the chat template of the
+    saved messages (or questions), as :class:`~tokencredit.rollout.HFRollout` builds them."""
+    if saved.get("prompt_ids") is not None:
+        ids, mask = torch.as_tensor(saved["prompt_ids"]), torch.as_tensor(saved["prompt_mask"]).bool()
+        return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+    msgs = saved.get("messages")
+    if msgs is None:
+        qs = saved.get("questions")
+        if qs is None:
+            raise FidelityError("ROLLOUTS: neither 'prompt_ids', 'messages' nor 'questions': cannot rebuild the prompts")
+        msgs = [[{"role": "user", "content": str(q)}] for q in qs]
+    out = []
+    for m in msgs:
+        text = tokenizer.apply_chat_template(list(m), tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[str, int], Tuple[float, Optional[str]]], out: str | Path, *,
+                    M: int = 16, stride: int = 1, temperature: float, top_p: float = 1.0, max_new_tokens: int,
+                    rows_per_batch: int = 64, seed: int = 0, policy: str = "", progress: bool = True,
+                    check: bool = True, baseline_batches: int = 0, max_seconds: Optional[float] = None,
+                    sampler: Optional[Callable[..., Tuple[List[List[List[int]]], int]]] = None) -> Dict[str, Any]:
+    """Estimate ``V(h_t)`` at every ``stride``-th position of every response; write ``out``.
+
+    ``reward(text, row) -> (reward, failure or None)`` scores the full response text of row
+    ``row`` (e.g. :func:`tokencredit.tasks.score_safely` of the task's reward, with its
+    timeout). An existing ``out`` of the same batch and settings is resumed; one of another
+    batch or other settings is refused. ``baseline_batches`` > 0 also times plain ``generate``
+    (no shared prefix) on the first that many batches' prefixes, for the throughput figure.
+    ``max_seconds`` stops (resumably) after that long. ``sampler(prefixes, M, budgets)`` replaces
+    :func:`sample_continuations` (a policy that is not a transformers model; tests); ``model`` is
+    then unused. Returns the file's content."""
+    from .inspector import check_rollouts
+
+    check_rollouts(saved)
+    for name, v, lo in (("M", M, 1), ("stride", stride, 1), ("max_new_tokens", max_new_tokens, 1), ("rows_per_batch", rows_per_batch, 1)):
+        if int(v) != v or v < lo:
+            raise FidelityError(f"{name}: expected an integer >= {lo}, got {v}")
+    if M % 2:
+        raise FidelityError(f"M: expected an even number (the noise ceiling splits the continuations in halves), got {M}")
+    out = Path(out)
+    fp = batch_fingerprint(saved)
+    settings = {"M": int(M), "stride": int(stride), "temperature": float(temperature), "top_p": float(top_p),
+                "max_new_tokens": int(max_new_tokens), "seed": int(seed)}
+    rows = response_rows(saved)
+    B = len(rows)
+    T = max([len(r) for r in rows] + [1])
+    if out.exists():
+        state = load_estimates(out, require_complete=False)
+        if state["fingerprint"] != fp:
+            raise FidelityError(f"ESTIMATES: {out} was built for another batch (fingerprint {state['fingerprint']}, this batch {fp})")
+        if state["settings"] != settings:
+            diff = {k: (state["settings"].get(k), v) for k, v in settings.items() if state["settings"].get(k) != v}
+            raise FidelityError(f"ESTIMATES: {out} was built with other settings (file, now): {diff}")
+    else:
+        if any(len(r) > max_new_tokens for r in rows):
+            raise FidelityError(f"max_new_tokens: expected >= the longest response ({max(len(r) for r in rows)}), got {max_new_tokens}")
+        state = {"format": FORMAT, "fingerprint": fp, "settings": settings, "policy": policy, "rollouts": saved,
+                 "samples": torch.full((B, T, M), float("nan")), "cont_tokens": torch.zeros((B, T), dtype=torch.long),
+                 "build": {"seconds": 0.0, "cont_tokens": 0, "baseline": None, "failed": {"error": 0, "timeout": 0}}}
+    if sampler is None:
+        def sampler(prefixes, M, budgets, share=True):
+            return sample_continuations(model, tokenizer, prefixes, M, budgets, temperature=temperature, top_p=top_p, share=share)
+    if check:
+        state["build"]["policy_logprob_diff"] = check_policy(model, tokenizer, saved, temperature)
+    prompts = _prompt_rows(saved, tokenizer)
+    samples, cont_tokens = state["samples"], state["cont_tokens"]
+    todo = [(b, t) for b in range(B) for t in mc_positions(len(rows[b]), stride) if torch.isnan(samples[b, t]).any()]
+    # row by row, so that a build stopped half-way already has complete trajectories to score
+    todo.sort()
+    per = max(1, int(rows_per_batch) // M)
+    chunks = [todo[i: i + per] for i in range(0, len(todo), per)]
+    total = sum(len(mc_positions(len(r), stride)) for r in rows)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, initial=total - len(todo), unit="pos", desc="fidelity build", disable=not progress, smoothing=0.1)
+    t_start = time.perf_counter()
+    seconds0 = float(state["build"].get("seconds", 0.0))
+    tok_run, sec_run = 0, 0.0
+    try:
+        for ci, chunk in enumerate(chunks):
+            prefixes = [prompts[b] + rows[b][:t] for b, t in chunk]
+            budgets = [max_new_tokens - t for b, t in chunk]
+            b0, t0 = chunk[0]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(seed) * 1_000_003 + b0 * 4099 + t0)
+                t1 = time.perf_counter()
+                conts, n_gen = sampler(prefixes, M, budgets)
+                dt = time.perf_counter() - t1
+            if ci < baseline_batches:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(int(seed) * 1_000_003 + b0 * 4099 + t0)
+                    t2 = time.perf_counter()
+                    _, n_plain = sampler(prefixes, M, budgets, share=False)
+                    dp = time.perf_counter() - t2
+                bl = state["build"].get("baseline") or {"shared_tokens": 0, "shared_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "batches": 0}
+                bl["shared_tokens"] += n_gen
+                bl["shared_s"] += dt
+                bl["plain_tokens"] += n_plain
+                bl["plain_s"] += dp
+                bl["batches"] += 1
+                state["build"]["baseline"] = bl
+            for (b, t), cs in zip(chunk, conts):
+                vals = []
+                for c in cs:
+                    text = tokenizer.decode(rows[b][:t] + c, skip_special_tokens=True)
+                    r, why = reward(text, b)
+                    if why is not None:
+                        state["build"]["failed"][why] = state["build"]["failed"].get(why, 0) + 1
+                    vals.append(float(r))
+                samples[b, t] = torch.tensor(vals)
+                cont_tokens[b, t] = sum(len(c) for c in cs)
+            tok_run += n_gen
+            sec_run += dt
+            state["build"]["seconds"] = seconds0 + time.perf_counter() - t_start
+            state["build"]["cont_tokens"] += n_gen
+            _atomic_save({k: v for k, v in state.items()}, out)
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{tok_run / max(sec_run, 1e-9):.0f}")
+            if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+                break
+    finally:
+        bar.close()
+        if not out.exists():
+            _atomic_save(state, out)
+    return state
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+
+
+def load_estimates(path: str | Path, *, require_complete: bool = True) -> Dict[str, Any]:
+    """An estimates file (``weights_only=True``), checked; one-line :class:`FidelityError` otherwise."""
+    from .inspector import check_rollouts
+
+    p = Path(path)
+    if not p.is_file():
+        raise FidelityError(f"ESTIMATES: no such file {p}")
+    try:
+        d = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise FidelityError(f"ESTIMATES: {p} is not a tokencredit file readable with weights_only=True ({type(e).__name__})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        what = "a rollouts file without credit estimates" if isinstance(d, dict) and "signals" in d else "not a fidelity estimates file"
+        raise FidelityError(f"ESTIMATES: {p} is {what} (expected format {FORMAT!r}; build one with 'tokencredit fidelity build')")
+    for k in ("fingerprint", "settings", "rollouts", "samples"):
+        if k not in d:
+            raise FidelityError(f"ESTIMATES: {p} has no {k!r}")
+    check_rollouts(d["rollouts"], f"ESTIMATES {p}: rollouts")
+    fp = batch_fingerprint(d["rollouts"])
+    if fp != d["fingerprint"]:
+        raise FidelityError(f"ESTIMATES: {p}: the estimates are of another batch (fingerprint {d['fingerprint']}) than the rollouts it holds ({fp})")
+    B, T = len(_lengths(d["rollouts"])), max(_lengths(d["rollouts"]) + [1])
+    s = d["samples"]
+    if not torch.is_tensor(s) or s.dim() != 3 or s.shape[0] != B or s.shape[1] < T:
+        raise FidelityError(f"ESTIMATES: {p}: samples expected [B={B}, >={T}, M], got {tuple(s.shape) if torch.is_tensor(s) else type(s).__name__}")
+    if require_complete and not complete_rows(d).any():
+        raise FidelityError(f"ESTIMATES: {p} has no complete trajectory yet (resume the build)")
+    return d
+
+
+def is_estimates_file(path: str | Path) -> bool:
+    """Whether ``path`` is a fidelity estimates file (read with ``weights_only=True``)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    try:
+        d = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - not ours, whatever it is
+        return False
+    return isinstance(d, dict) and d.get("format") == FORMAT
+
+
+def rollouts_with_true_credit(est: Dict[str, Any]) -> Dict[str, Any]:
+    """The rollouts of an estimates file with the Monte Carlo true credit ``c_t`` attached as a
+    reference row (``inspect`` shows it above the methods; a span's credit is spread evenly over
+    its tokens when the estimates are per span)."""
+    st = est["settings"]
+    stride = "" if st["stride"] == 1 else f", stride {st['stride']}"
+    return dict(est["rollouts"], reference_rows={f"true credit (MC, M={st['M']}{stride})": token_credit(est)})
+
+
+def complete_rows(est: Dict[str, Any]) -> torch.Tensor:
+    """[B] bool: every estimated position of the row has all M samples."""
+    lengths = _lengths(est["rollouts"])
+    stride = int(est["settings"]["stride"])
+    s = est["samples"]
+    return torch.tensor([bool(not torch.isnan(s[b, mc_positions(n, stride)]).any()) for b, n in enumerate(lengths)])
+
+
+# ---------------------------------------------------------------------------------------
+# true credit
+
+
+def span_values(est: Dict[str, Any], which: str = "all") -> List[torch.Tensor]:
+    """Per row: V at the span boundaries ``[V(h_p0), V(h_p1), ..., V(h_L) = R]`` (float64),
+    from all continuations (``"all"``) or the even / odd halves (``"even"`` / ``"odd"``)."""
+    lengths = _lengths(est["rollouts"])
+    stride = int(est["settings"]["stride"])
+    s = est["samples"].double()
+    if which == "even":
+        s = s[..., 0::2]
+    elif which == "odd":
+        s = s[..., 1::2]
+    elif which != "all":
+        raise FidelityError(f"which: expected all, even or odd, got {which!r}")
+    R = torch.as_tensor(est["rollouts"]["signals"]["rewards"]).double()
+    return [torch.cat([s[b, mc_positions(n, stride)].mean(-1), R[b: b + 1]]) for b, n in enumerate(lengths)]
+
+
+def standard_errors(est: Dict[str, Any]) -> List[torch.Tensor]:
+    """Per row: the standard error of each estimated ``V(h_p)`` (sample std / sqrt(M))."""
+    lengths = _lengths(est["rollouts"])
+    stride = int(est["settings"]["stride"])
+    s = est["samples"].double()
+    return [s[b, mc_positions(n, stride)].std(-1, unbiased=True) / math.sqrt(s.shape[-1]) for b, n in enumerate(lengths)]
+
+
+def credit_spans(values: torch.Tensor) -> torch.Tensor:
+    """``c_j = V_{j+1} - V_j``: the true credit of each span from its boundary values."""
+    return values[1:] - values[:-1]
+
+
+def span_sums(adv_row: torch.Tensor, length: int, stride: int) -> torch.Tensor:
+    """A method's credit per span: the sum of its token advantages over the span."""
+    a = torch.as_tensor(adv_row).double()[:length]
+    return torch.stack([a[p: p + stride].sum() for p in mc_positions(length, stride)])
+
+
+def token_credit(est: Dict[str, Any]) -> torch.Tensor:
+    """``[B, T]`` true credit per token (a span's credit spread evenly over its tokens; exact
+    c_t with stride 1); 0 on padding and on rows not yet complete."""
+    mask = torch.as_tensor(est["rollouts"]["signals"]["response_mask"]).bool()
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    stride = int(est["settings"]["stride"])
+    done = complete_rows(est)
+    for b, (v, n) in enumerate(zip(span_values(est), _lengths(est["rollouts"]))):
+        if not done[b]:
+            continue
+        c = credit_spans(v)
+        for j, p in enumerate(mc_positions(n, stride)):
+            e = min(p + stride, n)
+            out[b, p:e] = float(c[j]) / (e - p)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# metrics
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..n with ties given their average rank."""
+    n = x.numel()
+    order = torch.argsort(x, stable=True)
+    ranks = torch.empty(n, dtype=torch.float64)
+    xs = x[order]
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and xs[j + 1] == xs[i]:
+            j += 1
+        ranks[order[i: j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: torch.Tensor, c: torch.Tensor) -> float:
+    """Spearman rank correlation (average ranks for ties); NaN when either side is constant."""
+    if a.numel() < 3:
+        return float("nan")
+    ra, rc = _ranks(a.double()), _ranks(c.double())
+    ra, rc = ra - ra.mean(), rc - rc.mean()
+    den = math.sqrt(float((ra * ra).sum()) * float((rc * rc).sum()))
+    return float((ra * rc).sum()) / den if den > 0 else float("nan")
+
+
+METRICS = ("pivotal_mass", "sign_agreement", "rank_corr", "contamination")
+
+
+def trajectory_metrics(a: torch.Tensor, c: torch.Tensor, success: bool, cfg: FidelityConfig = FidelityConfig()) -> Dict[str, float]:
+    """The four metrics of one trajectory's credit ``a`` against true credit ``c`` (per token
+    or per span; NaN where undefined):
+
+    - ``pivotal_mass``: the share of ``sum |a|`` on the top ``ceil(top_frac * n)`` positions by
+      ``|c|`` (uniform credit: about ``top_frac``);
+    - ``sign_agreement``: ``sum |c| * [sign a == sign c] / sum |c|``, a zero ``a`` counting half;
+    - ``rank_corr``: Spearman correlation of ``a`` with ``c`` (undefined when either is constant);
+    - ``contamination`` (successful responses only; TACO's failure mode): the share of positive
+      credit ``sum a+`` given to positions with ``c < -delta``.
+    """
+    a, c = torch.as_tensor(a).double(), torch.as_tensor(c).double()
+    n = a.numel()
+    out = {k: float("nan") for k in METRICS}
+    if n == 0:
+        return out
+    k = max(1, math.ceil(cfg.top_frac * n - 1e-9))
+    top = torch.argsort(c.abs(), descending=True, stable=True)[:k]
+    sa = float(a.abs().sum())
+    if sa > 0:
+        out["pivotal_mass"] = float(a.abs()[top].sum()) / sa
+    w = c.abs()
+    if float(w.sum()) > 0:
+        out["sign_agreement"] = float((w * (torch.sign(a) * torch.sign(c) + 1) / 2).sum() / w.sum())
+    out["rank_corr"] = spearman(a, c)
+    if success:
+        pos = a.clamp_min(0)
+        if float(pos.sum()) > 0:
+            out["contamination"] = float((pos * (c < -cfg.delta)).sum() / pos.sum())
+    return out
+
+
+def bootstrap_mean(values: Sequence[float], cfg: FidelityConfig = FidelityConfig()) -> Dict[str, float]:
+    """Mean over trajectories (NaN skipped) with a percentile bootstrap interval."""
+    v = torch.tensor([x for x in values if not math.isnan(x)], dtype=torch.float64)
+    if v.numel() == 0:
+        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
+    g = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.randint(0, v.numel(), (cfg.n_boot, v.numel()), generator=g)
+    means = v[idx].mean(1)
+    q = torch.tensor([(1 - cfg.level) / 2, 1 - (1 - cfg.level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(means, q).tolist()
+    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": int(v.numel())}
+
+
+def _row_scores(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, bool]], cfg: FidelityConfig) -> Dict[str, Dict[str, float]]:
+    per = [trajectory_metrics(a, c, s, cfg) for a, c, s in pairs]
+    return {k: bootstrap_mean([p[k] for p in per], cfg) for k in METRICS}
+
+
+def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_args: Sequence[str] = (),
+          cfg: FidelityConfig = FidelityConfig()) -> Dict[str, Any]:
+    """Score every replayed method (``specs`` default: what ``inspect`` replays) against the
+    true credit of the complete trajectories of ``est``. Returns a JSON-able dict: ``rows``
+    (one per method, plus ``true credit`` against itself, ``split-half`` (the noise ceiling)
+    and ``random``), ``skipped`` and the set's description."""
+    from .inspector import replay
+
+    saved = est["rollouts"]
+    lengths = _lengths(saved)
+    stride = int(est["settings"]["stride"])
+    done = complete_rows(est)
+    rows_idx = [b for b in range(len(lengths)) if done[b] and lengths[b] > 0]
+    if not rows_idx:
+        raise FidelityError("ESTIMATES: no complete trajectory to score")
+    R = torch.as_tensor(saved["signals"]["rewards"]).double()
+    hi = 1.0
+    success = [bool(R[b] >= hi - 1e-6) for b in range(len(lengths))]
+    V = span_values(est)
+    c = {b: credit_spans(V[b]) for b in rows_idx}
+    Ve, Vo = span_values(est, "even"), span_values(est, "odd")
+    insp = replay(saved, specs, credit_args=credit_args)
+    critic_note = None
+    if saved["signals"].get("values") is not None:
+        critic_note = f"critic of the {saved.get('credit', '?')} run (step {saved.get('step', '?')}), saved with its rollouts"
+    out_rows = []
+
+    def add(label, kind, pairs, note=None):
+        out_rows.append({"method": label, "kind": kind, "note": note, **_row_scores(pairs, cfg)})
+
+    add("true credit (MC)", "reference", [(c[b], c[b], success[b]) for b in rows_idx], "c against itself")
+    add("split-half (noise ceiling)", "reference",
+        [(credit_spans(Ve[b]), credit_spans(Vo[b]), success[b]) for b in rows_idx], f"M/2 = {est['samples'].shape[-1] // 2} vs the other M/2")
+    g = torch.Generator().manual_seed(cfg.seed)
+    add("random", "reference", [(span_sums(torch.randn(lengths[b], generator=g, dtype=torch.float64), lengths[b], stride), c[b], success[b])
+                                for b in rows_idx], "i.i.d. normal credit")
+    for v in insp.views:
+        needs_critic = any(m in ("gae", "pact") for m in v.spec.split("+"))
+        add(v.label, v.source, [(span_sums(v.advantages[b], lengths[b], stride), c[b], success[b]) for b in rows_idx],
+            critic_note if needs_critic else None)
+    se = torch.cat([s for b, s in enumerate(standard_errors(est)) if b in set(rows_idx)])
+    cs = torch.cat([c[b] for b in rows_idx])
+    return {
+        "policy": est.get("policy", ""),
+        "settings": est["settings"],
+        "trajectories": len(rows_idx),
+        "successful": int(sum(success[b] for b in rows_idx)),
+        "positions": int(cs.numel()),
+        "mean_len": float(sum(lengths[b] for b in rows_idx) / len(rows_idx)),
+        "v_se_mean": float(se.mean()),
+        "c_abs_mean": float(cs.abs().mean()),
+        "c_neg_frac": float((cs < -cfg.delta).double().mean()),
+        "config": asdict(cfg),
+        "build": {k: v for k, v in (est.get("build") or {}).items()},
+        "rows": out_rows,
+        "skipped": [{"spec": s.spec, "missing": s.missing, "error": s.error} for s in insp.skipped],
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# printing and the command
+
+
+def _fmt(m: Dict[str, float]) -> str:
+    if not m["n"]:
+        return "–"
+    return f"{m['mean']:.3f} [{m['lo']:.2f}, {m['hi']:.2f}]"
+
+
+def format_table(res: Dict[str, Any]) -> str:
+    s = res["settings"]
+    unit = "tokens" if s["stride"] == 1 else f"spans of {s['stride']} tokens"
+    lines = [
+        f"credit fidelity: {res['trajectories']} trajectories ({res['successful']} successful), {res['positions']} {unit}, M = {s['M']} continuations per position, "
+        f"T = {s['temperature']}; mean SE of V = {res['v_se_mean']:.3f}; policy: {res['policy'] or '?'}",
+        f"metrics per trajectory, averaged, [{int(res['config']['level'] * 100)}% bootstrap over trajectories]; "
+        f"contamination: positive credit on c < -{res['config']['delta']} in successful responses",
+        "",
+    ]
+    head = ("method", "pivotal mass", "sign agreement", "rank corr", "contamination")
+    width = max(len(head[0]), *(len(r["method"]) for r in res["rows"])) + 2
+    lines.append(head[0].ljust(width) + "".join(h.ljust(22) for h in head[1:]))
+    for r in res["rows"]:
+        lines.append(r["method"].ljust(width) + "".join(_fmt(r[k]).ljust(22) for k in METRICS) + (f"  ({r['note']})" if r.get("note") else ""))
+    for sk in res["skipped"]:
+        why = ("missing " + ", ".join(sk["missing"])) if sk["missing"] else sk["error"]
+        lines.append(f"not scored: {sk['spec']} ({why})")
+    return "\n".join(lines)
+
+
+def plot_responses(est: Dict[str, Any], path: str | Path, specs: Sequence[str] = ("grpo", "taco", "oppo", "stare", "acpo", "arca"),
+                   n: int = 3, credit_args: Sequence[str] = ()) -> Path:
+    """A PNG of ``n`` responses (one panel each): the true credit ``c_t`` (per token; per span
+    spread evenly) against each method's ``A_t`` scaled to the same max |.|, tokens on the x-axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .inspector import replay
+
+    saved = est["rollouts"]
+    lengths = _lengths(saved)
+    done = complete_rows(est)
+    R = torch.as_tensor(saved["signals"]["rewards"]).float()
+    # the complete rows with the largest true-credit range: one success and one failure first
+    cands = sorted([b for b in range(len(lengths)) if done[b]], key=lambda b: -float(credit_spans(span_values(est)[b]).abs().max()))
+    pick = [next((b for b in cands if R[b] >= 1), None), next((b for b in cands if R[b] < 1), None)]
+    pick = [b for b in pick if b is not None]
+    pick += [b for b in cands if b not in pick][: max(0, n - len(pick))]
+    c = token_credit(est)
+    views = [v for v in replay(saved, list(specs), credit_args=credit_args).views if v.source == "replayed"]
+    fig, axes = plt.subplots(len(pick), 1, figsize=(14, 3.2 * len(pick)), squeeze=False)
+    for ax, b in zip(axes[:, 0], pick):
+        L = lengths[b]
+        x = torch.arange(L)
+        scale = float(c[b, :L].abs().max()) or 1.0
+        ax.bar(x, c[b, :L], color="0.75", label="true credit c_t (MC)")
+        for v in views:
+            a = v.advantages[b, :L].float()
+            m = float(a.abs().max()) or 1.0
+            ax.plot(x, a / m * scale, marker=".", lw=1, label=f"{v.label} (scaled)")
+        ax.axhline(0, color="k", lw=0.5)
+        toks = [t.replace("\n", "\\n") for t in saved["tokens"][b]]
+        ax.set_xticks(x.tolist())
+        ax.set_xticklabels(toks, rotation=90, fontsize=7, family="monospace")
+        ax.set_title(f"response {b}: reward {float(R[b]):.0f}, {L} tokens", fontsize=9)
+    axes[0, 0].legend(fontsize=7, ncol=4, loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _score_main(argv: List[str]) -> int:
+    from .inspector import parse_methods
+
+    p = argparse.ArgumentParser(prog="tokencredit fidelity", description="score every method's token credit against Monte Carlo true credit")
+    p.add_argument("file", nargs="?", default=None, help="an estimates file (default: the bundled reference set)")
+    p.add_argument("--methods", default=None, help="comma-separated credit specs (default: what inspect replays)")
+    p.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE")
+    p.add_argument("--delta", type=float, default=FidelityConfig.delta)
+    p.add_argument("--n-boot", type=int, default=FidelityConfig.n_boot)
+    p.add_argument("--json", action="store_true", help="print the scores as JSON")
+    p.add_argument("--figure", default=None, help="also write a PNG of a few responses' c_t against each method's A_t")
+    a = p.parse_args(argv)
+    try:
+        if a.file is None and not REFERENCE_SET.is_file():
+            raise FidelityError(f"no bundled reference set at {REFERENCE_SET}: build it with "
+                                "'python scripts/build_fidelity_set.py' (docs/fidelity.md) or pass an estimates file")
+        est = load_estimates(a.file or REFERENCE_SET)
+        specs = parse_methods(a.methods) if a.methods is not None else None
+        res = score(est, specs, credit_args=tuple(a.credit_args), cfg=FidelityConfig(delta=a.delta, n_boot=a.n_boot))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"tokencredit fidelity: {e}") from None
+    print(json.dumps(res, indent=2, allow_nan=True) if a.json else format_table(res))
+    if a.figure:
+        print(f"figure written to {plot_responses(est, a.figure)}", file=sys.stderr)
+    return 0
+
+
+def _build_main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="tokencredit fidelity build",
+        description="Monte Carlo V(h_t) for a run's saved rollout batch, from the checkpoint that sampled it")
+    p.add_argument("rollouts", help="a run directory (its latest eval/rollouts_step_*.pt) or a rollouts file inside one")
+    p.add_argument("-o", "--output", required=True, help="the estimates file (resumed when it exists)")
+    p.add_argument("--checkpoint", default=None, help="the checkpoint folder of the policy that sampled the batch "
+                   "(default: RUN/checkpoints/step_<S-1>, S the rollouts' step)")
+    p.add_argument("-M", type=int, default=16, help="continuations per position (even)")
+    p.add_argument("--stride", type=int, default=1, help="estimate every k-th position (credit compared per span)")
+    p.add_argument("--rows-per-batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
+    a = p.parse_args(argv)
+    try:
+        return _build_from_run(a)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"tokencredit fidelity build: {e}") from None
+
+
+def _build_from_run(a) -> int:
+    import dataclasses
+
+    from .checkpoint import load_checkpoint
+    from .config import TrainConfig, _from_dict
+    from .inspector import find_rollouts, load_rollouts
+    from .models import add_lora, resolve_model
+    from .tasks import make_task, score_safely
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    src = find_rollouts(a.rollouts)
+    run = src.parent.parent if src.parent.name == "eval" else src.parent
+    cfg_file = run / "config.json"
+    if not cfg_file.is_file():
+        raise FidelityError(f"ROLLOUTS: {src} is not inside a run directory with config.json (needed for the model, task and sampling settings)")
+    cfg = _from_dict(TrainConfig, json.loads(cfg_file.read_text()), "config.json")
+    saved = load_rollouts(src)
+    step = int(saved.get("step") or 0)
+    ck = Path(a.checkpoint) if a.checkpoint else run / "checkpoints" / f"step_{step - 1:08d}"
+    model, tok = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
+    if cfg.model.lora:
+        model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
+    if step > 1 or a.checkpoint:
+        if not ck.exists():
+            raise FidelityError(f"--checkpoint: the batch of step {step} was sampled by the weights after step {step - 1}; "
+                                f"no checkpoint {ck} (pass --checkpoint, or save every step)")
+        sd = load_checkpoint(ck)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, v in sd["model"].items():
+                if n not in params:
+                    raise FidelityError(f"--checkpoint: {ck} has weight {n!r} that this model lacks (another model?)")
+                params[n].copy_(v)
+    task = make_task(cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval,
+                     path=cfg.task.path, reward_fn=cfg.task.reward_fn)
+    by_q = {e.question: e for e in list(task.train) + list(task.eval)}
+    qs = saved.get("questions") or []
+    missing = [q for q in qs if q not in by_q]
+    if missing or len(qs) != len(_lengths(saved)):
+        raise FidelityError(f"ROLLOUTS: {len(missing)} question(s) not in task {cfg.task.name!r} (e.g. {missing[:1]!r}): another task?")
+    exs = [by_q[q] for q in qs]
+    saved = dict(saved, messages=[list(e.messages) for e in exs])
+
+    def reward(text, b):
+        return score_safely(task.reward, text, exs[b], cfg.task.reward_timeout_s)
+
+    t = cfg.rollout.temperature
+    build_estimates(saved, model, tok, reward, a.output, M=a.M, stride=a.stride, temperature=t,
+                    top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens, rows_per_batch=a.rows_per_batch,
+                    seed=a.seed, policy=f"{cfg.model.name}{' + LoRA' if cfg.model.lora else ''} from {ck if step > 1 or a.checkpoint else 'the initial weights'}",
+                    max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
+    print(f"estimates written to {a.output}")
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """``tokencredit fidelity [FILE] [--json] ...`` or ``tokencredit fidelity build RUN -o FILE ...``."""
+    argv = list(argv)
+    if argv and argv[0] == "build":
+        return _build_main(argv[1:])
+    return _score_main(argv)

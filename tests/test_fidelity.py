@@ -1,0 +1,340 @@
+"""Credit fidelity: the Monte Carlo ground truth and the scores, checked where they can fail.
+
+The tabular world of the PACT tests (vocabulary {0, 1, 2}, horizon 3, a fixed random policy,
+a reward with several levels) has V(h) exactly by enumeration; the estimator samples from the
+same policy, so its estimate must converge to the exact V, and the exact credit must score
+perfectly against itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tokencredit.fidelity import (
+    FidelityConfig,
+    FidelityError,
+    build_estimates,
+    credit_spans,
+    load_estimates,
+    sample_continuations,
+    score,
+    span_sums,
+    span_values,
+    spearman,
+    trajectory_metrics,
+)
+
+from test_pact import EOS, HORIZON, TabularWorld
+
+
+# ---------------------------------------------------------------------------------------
+# the tabular world as a saved rollout batch and a policy
+
+
+class DigitTokenizer:
+    """decode(ids) -> the digits; the prompt is one token (9) that decodes to nothing."""
+
+    pad_token_id = 9
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i) for i in ids if i != 9)
+
+
+def world_saved(world: TabularWorld):
+    seqs = world.sequences()
+    B, T = len(seqs), HORIZON
+    mask = torch.zeros(B, T, dtype=torch.long)
+    ids = torch.full((B, T), 9, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        mask[b, : len(s)] = 1
+        ids[b, : len(s)] = torch.tensor(s)
+    rewards = torch.tensor([world.reward(s) for s in seqs], dtype=torch.float32)
+    saved = {
+        "credit": "grpo",
+        "signals": {"response_mask": mask, "rewards": rewards, "group_ids": torch.zeros(B, dtype=torch.long)},
+        "tokens": [[str(y) for y in s] for s in seqs],
+        "response_ids": ids,
+        "questions": ["q"] * B,
+        "prompt_ids": torch.full((B, 1), 9, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+    }
+    return saved, seqs
+
+
+def world_sampler(world: TabularWorld):
+    """Continuations drawn from the world's policy: every completion of a prefix with its
+    exact probability, then M categorical draws."""
+
+    def completions(h):
+        if world.terminal(h):
+            return [((), 1.0)]
+        out = []
+        for y, p in enumerate(world.pi[h]):
+            out += [((y,) + rest, p * q) for rest, q in completions(h + (y,))]
+        return out
+
+    def sample(prefixes, M, budgets, share=True):
+        conts, n = [], 0
+        for pre in prefixes:
+            h = tuple(pre[1:])  # drop the prompt token
+            comp = completions(h)
+            idx = torch.multinomial(torch.tensor([q for _, q in comp], dtype=torch.float64), M, replacement=True)
+            row = [list(comp[int(i)][0]) for i in idx]
+            n += sum(len(r) for r in row)
+            conts.append(row)
+        return conts, n
+
+    return sample
+
+
+def world_reward(world, seqs):
+    def reward(text, b):
+        return world.reward(tuple(int(ch) for ch in text)), None
+
+    return reward
+
+
+def build_world(tmp_path, world, M, name="est.pt", seed=0, **kw):
+    saved, seqs = world_saved(world)
+    est = build_estimates(saved, None, DigitTokenizer(), world_reward(world, seqs), tmp_path / name, M=M,
+                          temperature=1.0, max_new_tokens=HORIZON, seed=seed, progress=False, check=False,
+                          sampler=world_sampler(world), **kw)
+    return est, saved, seqs
+
+
+def exact_values(world, seqs):
+    return [torch.tensor([world.V(s[:t]) for t in range(len(s))] + [world.reward(s)], dtype=torch.float64) for s in seqs]
+
+
+# ---------------------------------------------------------------------------------------
+# the estimate
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["fixed_length", "eos_padding"])
+def test_mc_estimate_converges_to_the_exact_value(tmp_path, eos):
+    world = TabularWorld(eos=eos, seed=3)
+    errs = {}
+    for M in (8, 128, 2048):
+        est, saved, seqs = build_world(tmp_path, world, M, name=f"m{M}.pt")
+        exact = exact_values(world, seqs)
+        mc = span_values(est)
+        errs[M] = max(float((a - b).abs().max()) for a, b in zip(mc, exact))
+        assert all(float(a[-1]) == pytest.approx(float(b[-1]), abs=1e-6) for a, b in zip(mc, exact))  # V(h_L) := R
+    # the error shrinks like 1/sqrt(M): at M = 2048 the largest of ~40 errors is < 4 SE (SE <= 0.011)
+    assert errs[2048] < 0.045 < errs[8]
+    assert errs[2048] < errs[128] < errs[8]
+
+
+def test_build_resumes_and_refuses_another_batch_or_settings(tmp_path):
+    world = TabularWorld(eos=True, seed=1)
+    full, saved, seqs = build_world(tmp_path, world, 8, name="full.pt", rows_per_batch=16)
+    # stop after the first batch, then resume: the same samples as one run (seeds are per batch)
+    part, _, _ = build_world(tmp_path, world, 8, name="part.pt", rows_per_batch=16, max_seconds=0.0)
+    assert torch.isnan(part["samples"]).any() and not torch.isnan(part["samples"]).all()
+    with pytest.raises(FidelityError, match="no complete trajectory|has no complete"):
+        pass_if_incomplete = load_estimates(tmp_path / "part.pt", require_complete=True)
+        if not bool(torch.isnan(pass_if_incomplete["samples"][..., 0]).all()):
+            raise FidelityError("has no complete trajectory")  # some rows done: nothing to check here
+    resumed, _, _ = build_world(tmp_path, world, 8, name="part.pt", rows_per_batch=16)
+    assert torch.equal(torch.nan_to_num(resumed["samples"], -1.0), torch.nan_to_num(full["samples"], -1.0))
+    # other settings
+    with pytest.raises(FidelityError, match=r"other settings.*'M': \(8, 4\)"):
+        build_world(tmp_path, world, 4, name="full.pt")
+    # another batch: same file, other rewards
+    other = TabularWorld(eos=False, seed=1)
+    with pytest.raises(FidelityError, match="was built for another batch"):
+        build_world(tmp_path, other, 8, name="full.pt")
+    with pytest.raises(FidelityError, match="M: expected an even number"):
+        build_world(tmp_path, world, 3, name="odd.pt")
+
+
+def test_loading_refuses_a_rollouts_file_and_a_tampered_batch(tmp_path):
+    world = TabularWorld(eos=False, seed=2)
+    est, saved, _ = build_world(tmp_path, world, 4)
+    torch.save(saved, tmp_path / "rollouts.pt")
+    with pytest.raises(FidelityError, match="rollouts file without credit estimates"):
+        load_estimates(tmp_path / "rollouts.pt")
+    bad = dict(est, rollouts=dict(saved, signals=dict(saved["signals"], rewards=1 - saved["signals"]["rewards"])))
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(FidelityError, match="estimates are of another batch"):
+        load_estimates(tmp_path / "bad.pt")
+    with pytest.raises(FidelityError, match="no such file"):
+        load_estimates(tmp_path / "nope.pt")
+
+
+# ---------------------------------------------------------------------------------------
+# the metrics
+
+
+def test_metrics_hand_values():
+    cfg = FidelityConfig(delta=0.1)
+    c = torch.tensor([0.0, 0.5, -0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1])
+    uniform = torch.full((10,), 2.0)
+    m = trajectory_metrics(uniform, c, success=True, cfg=cfg)
+    assert m["pivotal_mass"] == pytest.approx(0.1)  # top 10% of 10 tokens = 1 token
+    assert m["sign_agreement"] == pytest.approx((0.5 + 0.1) / 0.8)
+    assert math.isnan(m["rank_corr"])  # constant credit has no ranking
+    assert m["contamination"] == pytest.approx(0.1)  # 1 of 10 equal positive credits sits on c = -0.2
+    a = torch.tensor([0.0, 3.0, 1.0, 0, 0, 0, 0, 0, 0, 0])
+    m = trajectory_metrics(a, c, success=False, cfg=cfg)
+    assert m["pivotal_mass"] == pytest.approx(0.75)
+    # zeros count half: |c| = 0.5 agrees, 0.2 disagrees, 0.1 is half
+    assert m["sign_agreement"] == pytest.approx((0.5 + 0.05) / 0.8)
+    assert math.isnan(m["contamination"])  # only successful responses
+    assert spearman(torch.tensor([1.0, 2, 2, 3]), torch.tensor([1.0, 2, 3, 4])) == pytest.approx(0.9486832980505138)
+
+
+def test_exact_credit_is_perfect_and_an_anti_correlated_method_is_below_uniform(tmp_path):
+    world = TabularWorld(eos=True, seed=0)
+    est, saved, seqs = build_world(tmp_path, world, 2)
+    exact = exact_values(world, seqs)
+    # replace the samples by the exact values: the estimate is then V itself
+    for b, s in enumerate(seqs):
+        for t in range(len(s)):
+            est["samples"][b, t] = exact[b][t]
+    T = saved["signals"]["response_mask"].shape[1]
+    values = torch.full((len(seqs), T + 1), 0.5)
+    for b, s in enumerate(seqs):
+        values[b, : len(s)] = exact[b][:-1].float()
+    saved["signals"]["values"] = values
+    res = score(est, ["pact", "grpo"], credit_args=("pact.mode=credit",), cfg=FidelityConfig(n_boot=50, delta=0.0))
+    rows = {r["method"]: r for r in res["rows"]}
+    truth, pact, grpo = rows["true credit (MC)"], rows["pact"], rows["grpo"]
+    for r in (truth, pact):
+        assert r["sign_agreement"]["mean"] == pytest.approx(1.0)
+        assert r["rank_corr"]["mean"] == pytest.approx(1.0)
+        assert r["contamination"]["mean"] == pytest.approx(0.0)
+    assert pact["pivotal_mass"]["mean"] == pytest.approx(truth["pivotal_mass"]["mean"], abs=1e-6)
+    # the same split-half noise ceiling is perfect when every sample is exact
+    assert rows["split-half (noise ceiling)"]["sign_agreement"]["mean"] == pytest.approx(1.0)
+    # anti-correlated credit (-c) against uniform (grpo): worse on every signed metric
+    cfg = FidelityConfig(delta=0.0)
+    R = saved["signals"]["rewards"]
+    anti = [trajectory_metrics(-credit_spans(v), credit_spans(v), bool(R[b] >= 1), cfg) for b, v in enumerate(exact)]
+    mean = lambda k: sum(x[k] for x in anti if not math.isnan(x[k])) / max(1, sum(not math.isnan(x[k]) for x in anti))  # noqa: E731
+    assert mean("sign_agreement") < grpo["sign_agreement"]["mean"]
+    assert mean("rank_corr") == pytest.approx(-1.0)
+    assert mean("sign_agreement") == pytest.approx(0.0)
+
+
+def test_span_sums_and_bootstrap_interval_covers_the_mean():
+    a = torch.arange(7.0)
+    assert span_sums(a, 7, 3).tolist() == [3.0, 12.0, 6.0]
+    from tokencredit.fidelity import bootstrap_mean
+
+    b = bootstrap_mean([0.1, 0.5, float("nan"), 0.9, 0.3], FidelityConfig(n_boot=200))
+    assert b["n"] == 4 and b["mean"] == pytest.approx(0.45)
+    assert b["lo"] < b["mean"] < b["hi"] and 0.1 <= b["lo"] and b["hi"] <= 0.9
+
+
+# ---------------------------------------------------------------------------------------
+# a real transformers model: shared-prefix continuations
+
+
+def test_shared_prefix_continuations_equal_plain_generate_and_respect_budgets():
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=3.0)
+    prefixes = [tok("<|im_start|>user\n2+3<|im_end|>\n<|im_start|>assistant\n12", add_special_tokens=False)["input_ids"],
+                tok("<|im_start|>user\n7<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]]
+    budgets = [3, 8]
+    outs = []
+    for share in (True, False):
+        torch.manual_seed(5)
+        outs.append(sample_continuations(model, tok, prefixes, 6, budgets, temperature=1.0, share=share))
+    (shared, n1), (plain, n2) = outs
+    assert shared == plain and n1 == n2
+    for i, rows in enumerate(shared):
+        assert len(rows) == 6
+        for r in rows:
+            assert 1 <= len(r) <= budgets[i]
+            assert tok.eos_token_id not in r[:-1]  # cut at the first stop token (kept)
+    assert any(len(r) == budgets[0] for r in shared[0])  # a 3-token budget is reached
+
+
+def test_check_policy_refuses_another_model():
+    from tokencredit.fidelity import check_policy
+    from tokencredit.rollout import HFRollout
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=3.0)
+    msgs = [[{"role": "user", "content": "1+2"}], [{"role": "user", "content": "3+4"}]]
+    rb = HFRollout(model, tok).generate(msgs, num_samples=2, max_new_tokens=5, temperature=1.0, seed=0)
+    saved = {
+        "signals": {"response_mask": rb.response_mask, "rewards": torch.zeros(4), "group_ids": rb.prompt_index,
+                    "old_logprobs": rb.behaviour_logprobs},
+        "tokens": [[tok.decode([t]) for t in r[m.bool()]] for r, m in zip(rb.response_ids, rb.response_mask)],
+        "response_ids": rb.response_ids, "questions": ["1+2", "1+2", "3+4", "3+4"],
+        "messages": [msgs[int(i)] for i in rb.prompt_index],
+    }
+    assert check_policy(model, tok, saved, 1.0) < 1e-4
+    other, _ = tiny_model_and_tokenizer(seed=1, eos_bias=3.0)
+    with pytest.raises(FidelityError, match="not sampled from this model"):
+        check_policy(other, tok, saved, 1.0)
+
+
+def test_inspect_shows_true_credit_when_the_batch_has_estimates(tmp_path):
+    from tokencredit.cli import main
+    from tokencredit.fidelity import load_estimates, rollouts_with_true_credit, token_credit
+    from tokencredit.inspector import load_rollouts, render_html, replay
+
+    world = TabularWorld(eos=True, seed=0)
+    est, saved, seqs = build_world(tmp_path, world, 4)
+    loaded = rollouts_with_true_credit(load_estimates(tmp_path / "est.pt"))
+    insp = replay(loaded, ["grpo"])
+    assert [v.label for v in insp.views] == ["true credit (MC, M=4)", "grpo"]
+    c = token_credit(est)
+    assert torch.equal(insp.views[0].advantages, c)
+    # per token it is V(h_{t+1}) - V(h_t) of the estimate, and it sums to R - V(h_0)
+    V = span_values(est)
+    for b, s in enumerate(seqs):
+        assert c[b, : len(s)].double().tolist() == pytest.approx(credit_spans(V[b]).tolist(), abs=1e-6)
+    assert "true credit (MC, M=4)" in render_html(loaded, insp)
+    # `tokencredit inspect` opens the estimates file with the row; the library's rollouts loader
+    # names the file's format instead of misreading it
+    assert main(["inspect", str(tmp_path / "est.pt"), "--output", str(tmp_path / "p.html")]) == 0
+    assert "true credit (MC, M=4)" in (tmp_path / "p.html").read_text()
+    with pytest.raises(ValueError, match="tokencredit-fidelity"):
+        load_rollouts(tmp_path / "est.pt")
+    # a plain rollouts file has no such row
+    torch.save(saved, tmp_path / "r.pt")
+    assert [v.label for v in replay(load_rollouts(tmp_path / "r.pt"), ["grpo"]).views] == ["grpo"]
+
+
+def test_cli_scores_a_file_as_json_with_a_figure_and_refuses_a_rollouts_file(tmp_path, capsys):
+    import json
+
+    from tokencredit.cli import main
+
+    world = TabularWorld(eos=True, seed=0)
+    est, saved, seqs = build_world(tmp_path, world, 4)
+    png = tmp_path / "fig.png"
+    assert main(["fidelity", str(tmp_path / "est.pt"), "--json", "--n-boot", "20", "--methods", "grpo,rloo,grpo+taco",
+                 "--figure", str(png)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in res["rows"]] == ["true credit (MC)", "split-half (noise ceiling)", "random", "grpo", "rloo"]
+    assert [s["spec"] for s in res["skipped"]] == ["grpo+taco"] and res["skipped"][0]["missing"]  # no logprobs here
+    assert res["trajectories"] == len(seqs) and png.stat().st_size > 1000
+    torch.save(saved, tmp_path / "r.pt")
+    with pytest.raises(SystemExit, match="rollouts file without credit estimates"):
+        main(["fidelity", str(tmp_path / "r.pt")])
+
+
+def test_chain_task_is_two_steps_with_the_right_answers():
+    import re
+
+    from tokencredit.tasks import make_task
+
+    t = make_task("chain", n_train=600, n_eval=16)
+    assert len(t.eval) == 16 and len(t.train) == 512 - 16
+    assert not {e.question for e in t.eval} & {e.question for e in t.train}
+    for e in t.eval + t.train[:50]:
+        a, b, c = map(int, re.search(r"Now solve: (\d) \+ (\d) - (\d)$", e.question).groups())
+        assert e.answer == str(a + b - c)
+        worked = f"Step 1: {a} + {b} = {a + b}\nStep 2: {a + b} - {c} = {a + b - c}\nAnswer: {a + b - c}"
+        assert t.reward(worked, e) == 1.0
+        assert t.reward(f"Step 1: {a} + {b} = {a + b}\nStep 2: {a + b} - {c} = {a + b - c + 1}\nAnswer: {a + b - c + 1}", e) == 0.0
