@@ -1,12 +1,20 @@
 """tokencredit's own trainer: one process, CPU or one GPU, read top to bottom.
 
-One step:
-    rollout (K samples per prompt)  ->  rewards  ->  signals the credit spec declares
-    ->  credit (CreditPipeline)  ->  policy loss over micro-batches  ->  optimizer step
-    ->  critic step (gae / pact, PACT's importance-corrected critic after the actor step)
+One step (``Trainer.train_step``), in the order it runs:
 
-Signals are computed only when the credit spec (or the KL term) declares them; a plain GRPO
-run does no forward pass beyond the one its loss needs.
+    1. collect   K samples per prompt (HF generate), rewards (guarded user code), DAPO's
+                 dynamic sampling; the kept groups become one typed ``StepBatch``
+    2. signals   the passes the credit spec's methods declare (``plan.plan_signals``, run by
+                 ``passes.run_passes``): policy, adapter-off, reference, oracle, critic values
+    3. credit    ``CreditPipeline``: stateful methods step first (STARE's order), then credit
+    4. policy    the PPO / SAPO loss over micro-batches, one optimizer step per epoch
+    5. critic    the declared critic's loss (PACT: after the actor, on the updated actor's pass,
+                 importance-weighted)
+    6. log       metrics.jsonl (+ TensorBoard / W&B), periodic eval, atomic checkpoints
+
+The trainer knows passes, never method names: what a method needs is declared with the method
+(``registry.MethodInfo``), so a method registered outside the package trains unchanged. A plain
+GRPO run does no forward pass beyond the one its loss needs.
 """
 
 from __future__ import annotations
