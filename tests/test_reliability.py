@@ -288,7 +288,9 @@ OUT_OF_RANGE = {
     "log.wandb_project": None,
     "log.progress": None,
 }
-FIELDS = dict(_leaf_fields())
+#: the method settings (credit_config.METHOD.FIELD, each method's own config class, bounded by its
+#: __post_init__) are not in this table: tests/test_config_methods.py walks every one of them
+FIELDS = {k: v for k, v in _leaf_fields() if not k.startswith("credit_config.")}
 
 
 def test_the_table_covers_every_config_field():

@@ -420,8 +420,8 @@ def _filter_credit_args(credit_args: Iterable[str], spec: str) -> Tuple[str, ...
     return tuple(a for a in credit_args if a.split("=", 1)[0].split(".", 1)[0] in names)
 
 
-def _check_credit_args(credit_args: Sequence[str], specs: Sequence[str]) -> None:
-    from .config import RECIPES, parse_credit_args
+def _check_credit_args(credit_args: Sequence[str], specs: Sequence[str], credit_config=None) -> None:
+    from .config import RECIPES, _set_methods, parse_credit_args
     from .spec import parse_spec
 
     used = set()
@@ -430,11 +430,14 @@ def _check_credit_args(credit_args: Sequence[str], specs: Sequence[str]) -> None
     unknown = sorted(set(parse_credit_args(credit_args)) - used)
     if unknown:
         raise ValueError(f"credit_args: overrides for {unknown}, which no spec of {list(specs)} uses")
+    unknown = sorted(set(_set_methods(credit_config)) - used) if credit_config is not None else []
+    if unknown:
+        raise ValueError(f"credit_config: settings for {unknown}, which no spec of {list(specs)} uses")
 
 
 def run_config(base, spec: str, seed: int, output_dir: Path):
     """The TrainConfig of one run: ``base`` with this spec, seed and directory."""
-    from .config import apply_recipe
+    from .config import RECIPES, apply_recipe, credit_config_for
 
     cfg = dataclasses.replace(
         copy.deepcopy(base),  # runs share no nested config object
@@ -442,6 +445,7 @@ def run_config(base, spec: str, seed: int, output_dir: Path):
         seed=seed,
         output_dir=str(run_path(output_dir, spec, seed)),
         credit_args=_filter_credit_args(base.credit_args, spec),
+        credit_config=credit_config_for(base.credit_config, RECIPES[spec]["credit"] if spec in RECIPES else spec),
         resume=False,
     )
     return apply_recipe(cfg)
@@ -541,7 +545,7 @@ def run_compare(
     seeds = parse_seeds(seeds)
     if not isinstance(output_dir, (str, Path)) or not str(output_dir).strip():
         raise ValueError(f"--output-dir: expected a directory, got {output_dir!r}")
-    _check_credit_args(base.credit_args, specs)
+    _check_credit_args(base.credit_args, specs, base.credit_config)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True, quiet=not progress, highlight=False)

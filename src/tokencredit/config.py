@@ -1,6 +1,7 @@
 """Training configuration: typed dataclasses, a YAML file, command-line overrides (tyro).
 
     tokencredit train --credit taco                          # embedded default, short run
+    tokencredit train --credit grpo+taco --credit-config.taco.lam 0.5   # a method's setting
     tokencredit train --config run.yaml --rollout.temperature 0.7 --steps 50
 
 Defaults are sized for the embedded SmolLM2-135M-Instruct on 2 CPU cores: a short run that
@@ -10,12 +11,13 @@ finishes in about six minutes (357 s measured) and shows a learning signal on 1-
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple
 
 import yaml
 
@@ -28,12 +30,14 @@ __all__ = [
     "CriticConfig",
     "DapoConfig",
     "LogConfig",
+    "MethodConfigs",
     "TrainConfig",
     "load_config",
     "RECIPES",
     "ConfigError",
     "SAFE_TO_CHANGE",
     "config_diff",
+    "credit_config_for",
 ]
 
 
@@ -114,40 +118,42 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(msg).split())
 
 
-def _type_ok(v: Any, tp: Any) -> Tuple[bool, str]:
-    """Whether ``v`` has the annotated type ``tp``, and the type's name for the message."""
+def _type_ok(v: Any, tp: Any, finite: bool = True) -> Tuple[bool, str]:
+    """Whether ``v`` has the annotated type ``tp``, and the type's name for the message.
+    ``finite=False``: a float may be infinite (never NaN), as where a method's "off" is inf."""
     import typing
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:  # Optional[X]
         inner = [a for a in args if a is not type(None)]
-        ok, name = _type_ok(v, inner[0])
+        ok, name = _type_ok(v, inner[0], finite)
         return v is None or ok, f"None or {name}"
     if origin is Literal:
         return v in args, "one of " + ", ".join(map(repr, args))
     if origin in (tuple, Tuple):
         if args and args[-1] is Ellipsis:
-            ok, name = _type_ok(None, args[0])
+            ok, name = _type_ok(None, args[0], finite)
             plural = re.sub(r"^an? ", "", name) + "s"
-            return isinstance(v, (tuple, list)) and all(_type_ok(x, args[0])[0] for x in v), f"a list of {plural}"
-        names = [_type_ok(None, a)[1] for a in args]
-        ok = isinstance(v, (tuple, list)) and len(v) == len(args) and all(_type_ok(x, a)[0] for x, a in zip(v, args))
+            return isinstance(v, (tuple, list)) and all(_type_ok(x, args[0], finite)[0] for x in v), f"a list of {plural}"
+        names = [_type_ok(None, a, finite)[1] for a in args]
+        ok = isinstance(v, (tuple, list)) and len(v) == len(args) and all(_type_ok(x, a, finite)[0] for x, a in zip(v, args))
         return ok, f"a list of {len(args)} ({', '.join(names)})"
     if tp is bool:
         return isinstance(v, bool), "true or false"
     if tp is int:
         return isinstance(v, int) and not isinstance(v, bool), "an integer"
     if tp is float:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        return ok, "a finite number"
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (math.isfinite(v) if finite else not math.isnan(v))
+        return ok, "a finite number" if finite else "a number"
     if tp is str:
         return isinstance(v, str) and v.strip() != "", "a non-empty string"
     return True, getattr(tp, "__name__", str(tp))
 
 
-def check_section(section: Any, prefix: str = "") -> None:
+def check_section(section: Any, prefix: str = "", finite: bool = True) -> None:
     """Check every field of one config dataclass against its annotation and ``FIELD_RANGES``;
-    raise :class:`ConfigError` naming the first bad field (``"optim.lr: expected ..., got ..."``)."""
+    raise :class:`ConfigError` naming the first bad field (``"optim.lr: expected ..., got ..."``).
+    ``finite=False`` lets floats be infinite (a method config's own checks bound them)."""
     import typing
 
     hints = typing.get_type_hints(type(section))
@@ -158,7 +164,7 @@ def check_section(section: Any, prefix: str = "") -> None:
             if not isinstance(v, tp):
                 raise ConfigError(f"{name}: expected a {tp.__name__} (a mapping of its fields), got {_show(v)}")
             continue
-        ok, expected = _type_ok(v, tp)
+        ok, expected = _type_ok(v, tp, finite)
         rng = FIELD_RANGES.get(name)
         if ok and rng is not None and v is not None:
             ok = all(rng.holds(x) for x in (v if isinstance(v, (tuple, list)) else (v,)))
@@ -175,12 +181,12 @@ def check_section(section: Any, prefix: str = "") -> None:
 
 @dataclass
 class ModelConfig:
-    name: str = "embedded:smollm2-135m-instruct"  # or any hub id / local path
+    name: str = "embedded:smollm2-135m-instruct"  # the policy: an embedded model, a hub id or a local path
     cache_dir: Optional[str] = None  # where the embedded GGUF is converted once ($TOKENCREDIT_CACHE)
     lora: bool = False  # ARCA requires LoRA
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_targets: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_r: int = 16  # LoRA rank r
+    lora_alpha: int = 32  # LoRA alpha: the adapter's update is scaled by alpha / r (peft)
+    lora_targets: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # modules the adapter wraps
     reference: Optional[str] = None  # frozen reference model for KL / divergence ("self" = initial policy)
     teacher: Optional[str] = None  # frozen teacher for OPD / OPPO teacher-oracle
 
@@ -190,30 +196,30 @@ class TaskConfig:
     name: str = "mul1"  # add1, add2, mul1, word, mix, gsm8k, math
     path: Optional[str] = None  # local jsonl/parquet for gsm8k/math
     reward_fn: Optional[str] = None  # "package.module:function", replaces the task's reward
-    reward_timeout_s: float = 5.0
-    n_train: int = 512
-    n_eval: int = 32
+    reward_timeout_s: float = 5.0  # seconds a reward call may take; a slower one scores 0 (a failure)
+    n_train: int = 512  # training prompts
+    n_eval: int = 32  # held-out prompts for evaluation
 
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 4
+    prompts_per_step: int = 4  # prompts per training step, each sampled samples_per_prompt times
     samples_per_prompt: int = 4  # K, the group size
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # generation budget per response
     temperature: float = 0.7  # ecosystem: T=1.0 removes almost all signal on a 135M model
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling (1.0: off)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-6
-    weight_decay: float = 0.0
-    betas: Tuple[float, float] = (0.9, 0.99)
-    warmup_steps: int = 0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    max_grad_norm: float = 1.0
+    lr: float = 2e-6  # AdamW learning rate of the policy
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: Tuple[float, float] = (0.9, 0.99)  # AdamW betas
+    warmup_steps: int = 0  # linear learning-rate warm-up from 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"  # learning rate after the warm-up
+    max_grad_norm: float = 1.0  # gradient-norm clip
     micro_batch_size: int = 8  # responses per forward/backward; gradients accumulate over the batch
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # optimizer steps per rollout batch, each against the rollout's log-probs
     # torch's fused AdamW kernel (one pass over each parameter instead of a dozen foreach
     # kernels: 0.16 s against 0.67 s per step for SmolLM2-135M on one CPU thread); the update is
     # the same algorithm. Turned off by hand, or automatically on devices without the kernel.
@@ -227,27 +233,27 @@ class LossConfig:
     # loss), seq-mean-token-mean for sapo (as verl hard-codes it)
     agg_mode: Optional[str] = None
     norm_constant: Optional[float] = None  # C of seq-mean-token-sum-norm (Dr. GRPO: the generation budget); None = padded length
-    clip_low: float = 0.2
+    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low (PPO)
     clip_high: float = 0.28  # DAPO clip-higher, also TACO's and STARE's recipe
-    dual_clip: Optional[float] = None
+    dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
     kl_coef: float = 0.0  # TACO/DAPO recipe: no KL
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL to the reference)
 
 
 @dataclass
 class CriticConfig:
     """Value head for gae and pact (a linear head on the policy's detached final hidden states)."""
 
-    lr: float = 1e-3
+    lr: float = 1e-3  # AdamW learning rate of the value head
     steps: int = 1  # critic optimisation steps per training step
-    # PACT's importance-sampling range is PACT's own setting: --credit-args pact.is_low=... pact.is_high=...
+    # PACT's importance-sampling range is PACT's own setting: --credit-config.pact.is-low / .is-high
 
 
 @dataclass
 class DapoConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, regenerate to fill
     max_rounds: int = 3  # bounded regeneration
-    overlong_shaping: bool = False
+    overlong_shaping: bool = False  # DAPO's soft overlong punishment on responses near max_new_tokens
     # C: the penalty ramps over the last C tokens before max_new_tokens. None = max_new_tokens // 5,
     # the DAPO paper's proportion (a 4096-token cache on a 20480-token maximum)
     overlong_cache: Optional[int] = None
@@ -255,30 +261,90 @@ class DapoConfig:
 
 @dataclass
 class LogConfig:
-    eval_every: int = 10
+    eval_every: int = 10  # evaluate every N steps (and at the last)
     # evaluate once before the first step (logged as step 0): the baseline a run's curves start from
     eval_at_start: bool = True
     eval_samples: int = 4  # k for mean@k
-    save_rollouts: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "tokencredit"
-    progress: bool = True
+    save_rollouts: bool = True  # save each evaluated step's rollout batch under eval/ (tokencredit inspect)
+    tensorboard: bool = False  # TensorBoard logs under output_dir
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "tokencredit"  # the W&B project (with --log.wandb)
+    progress: bool = True  # a progress bar on stderr
+
+
+def _make_method_configs() -> type:
+    """The ``credit_config`` section: one field per registered credit method, typed by the
+    method's own config dataclass, so that ``--help`` lists every method setting with its default
+    and the source comment of the method's file, and YAML is checked against the same class.
+    Methods registered after this module is imported (plugins) are set with ``credit_args``."""
+    import tyro
+
+    from .registry import get_method, list_methods
+
+    fields = []
+    for name in list_methods():
+        info = get_method(name)
+        if not name.isidentifier():  # not a field name: reachable through credit_args only
+            continue
+        about = f"{info.summary} ({info.kind}; provenance: {info.provenance})"
+        fields.append((name, Annotated[info.config_cls, tyro.conf.arg(help=about)], field(default_factory=info.config_cls)))
+    cls = dataclasses.make_dataclass("MethodConfigs", fields)
+    cls.__module__ = __name__  # pickling, and tyro reads the type hints in this module
+    cls.__doc__ = "Each credit method's settings (its own config dataclass); only the spec's methods may be set."
+    return cls
+
+
+#: ``TrainConfig.credit_config``'s type: a field per built-in method (``credit_config.taco`` is a
+#: ``TACOConfig``)
+MethodConfigs = _make_method_configs()
+
+
+def _method_message(e: BaseException, method: str, where: str) -> str:
+    """A method config's own error (``"taco lam: expected ..."``) as ``"<where>.lam: expected ..."``."""
+    msg = _one_line(e)
+    m = re.match(rf"{re.escape(method)} (\w+): (.*)", msg)
+    return f"{where}.{m.group(1)}: {m.group(2)}" if m else f"{where}: {msg}"
+
+
+def _check_method_config(obj: Any, method: str, where: str) -> Any:
+    """Check one method config: the types of its fields (from its annotations; floats may be
+    infinite, several methods' "off" is inf), then the method's own checks (its
+    ``__post_init__``, run again on a copy, which is returned). A :class:`ConfigError` naming the
+    field (``"credit_config.taco.lam: expected a number in [0, 1], got 2"``)."""
+    check_section(obj, f"{where}.", finite=False)
+    try:
+        return dataclasses.replace(obj)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(_method_message(e, method, where)) from None
+
+
+def _plain(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _spec_of(credit: str) -> str:
+    return RECIPES[credit]["credit"] if credit in RECIPES else credit
+
+
+def _set_methods(section: Any) -> List[str]:
+    """The methods of a ``credit_config`` section whose settings differ from their defaults."""
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != f.default_factory()]
 
 
 @dataclass
 class TrainConfig:
     credit: str = "grpo"  # a credit spec ("grpo+taco", "oppo+stare") or a recipe ("dapo")
-    # method hyperparameters as "method.field=value" (values parsed as YAML): taco.lam=0.5 stare.P=0.2
+    # shorthand for the --credit-config.METHOD.FIELD options below: "method.field=value", values
+    # parsed as YAML, e.g. taco.lam=0.5 stare.P=0.2; one field set to two values is an error
     credit_args: Tuple[str, ...] = ()
     steps: int = 30  # training steps (a rollout batch and an update each); a resume may raise it
-    seed: int = 0
-    output_dir: str = "runs/default"
-    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0  # seed of torch and numpy: sampling, data order, initialisation
+    output_dir: str = "runs/default"  # the run directory: config.json, metrics.jsonl, checkpoints, eval
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N | mps
     threads: Optional[int] = None  # torch intra-op threads on CPU
-    save_every: int = 10
-    keep_last: int = 2
-    resume: bool = False
+    save_every: int = 10  # a checkpoint every N steps (and at the last)
+    keep_last: int = 2  # checkpoints kept; older ones are deleted
+    resume: bool = False  # continue output_dir's run from its latest checkpoint (same settings)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -287,8 +353,13 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     dapo: DapoConfig = field(default_factory=DapoConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # each method's settings (``credit_config.taco.lam``), typed by the method's config class;
+    # only the credit spec's methods may be set. YAML: ``credit_config: {taco: {lam: 0.5}}``
+    credit_config: MethodConfigs = field(default_factory=MethodConfigs)
 
     def __post_init__(self):
+        if isinstance(self.credit_config, dict):  # TrainConfig(credit_config={"taco": {"lam": 0.5}})
+            self.credit_config = _from_dict(MethodConfigs, self.credit_config, "credit_config")
         if not _DEFER_CHECKS.get():
             self.check_fields()
 
@@ -313,6 +384,8 @@ class TrainConfig:
                 f"dapo.overlong_cache: expected <= rollout.max_new_tokens ({self.rollout.max_new_tokens}), "
                 f"got {self.dapo.overlong_cache}"
             )
+        for f in dataclasses.fields(self.credit_config):
+            _check_method_config(getattr(self.credit_config, f.name), f.name, f"credit_config.{f.name}")
         parse_credit_args(self.credit_args)
         from .spec import parse_spec
 
@@ -325,17 +398,76 @@ class TrainConfig:
             ) from None
 
     def validate(self) -> "TrainConfig":
-        """Everything :meth:`check_fields` checks, plus the method settings of ``credit_args``
-        against the spec. Called before any model is loaded (``Trainer``, the command line)."""
+        """Everything :meth:`check_fields` checks, plus the method settings (``credit_config``
+        and ``credit_args``) against the spec. Called before any model is loaded (``Trainer``,
+        the command line)."""
         self.check_fields()
-        from .spec import CreditPipeline
-
-        spec = RECIPES[self.credit]["credit"] if self.credit in RECIPES else self.credit
-        try:
-            CreditPipeline(spec, parse_credit_args(self.credit_args))
-        except (KeyError, ValueError, TypeError) as e:
-            raise ConfigError(f"credit_args: {_one_line(e)}") from None
+        self.method_configs()
         return self
+
+    def method_configs(self) -> Dict[str, Any]:
+        """The config of each method of the credit spec, as ``CreditPipeline(spec, configs)``
+        takes them: ``credit_config``'s, with the ``credit_args`` shorthand merged on top.
+
+        A :class:`ConfigError` for settings of a method that is not in the spec, an unknown
+        method or field, a bad value, or a field that ``credit_config`` and ``credit_args`` set
+        to two different values (the same value twice is allowed; ``credit_config`` counts as
+        set where it differs from the method's default)."""
+        from .registry import get_method
+        from .spec import parse_spec
+
+        spec = _spec_of(self.credit)
+        try:
+            names = [m.name for m in parse_spec(spec)]
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"credit: {_one_line(e)}") from None
+        section = self.credit_config
+        for name in _set_methods(section):
+            if name not in names:
+                raise ConfigError(
+                    f"credit_config.{name}: set, but {name} is not in the credit spec {spec!r} (its methods: {', '.join(names)})"
+                )
+        args = parse_credit_args(self.credit_args)
+        for name, values in args.items():
+            if name not in names:
+                try:
+                    get_method(name)
+                except (KeyError, ValueError) as e:
+                    raise ConfigError(f"credit_args: {_one_line(e)}") from None
+                raise ConfigError(
+                    f"credit_args: {name}.{next(iter(values))}: {name} is not in the credit spec {spec!r} "
+                    f"(its methods: {', '.join(names)})"
+                )
+        out = {}
+        for name in names:
+            cls = get_method(name).config_cls
+            default = cls()
+            current = getattr(section, name, None)
+            current = default if current is None else current
+            over = args.get(name, {})
+            valid = [f.name for f in dataclasses.fields(cls)]
+            obj = copy.copy(current)
+            for k, v in over.items():
+                if k not in valid:
+                    raise ConfigError(f"credit_args: {name}.{k}: unknown field of {name}; expected one of {valid}")
+                was = getattr(current, k)
+                if _plain(was) != _plain(getattr(default, k)) and _plain(was) != _plain(v):
+                    raise ConfigError(
+                        f"credit_args: {name}.{k}={v!r} and credit_config.{name}.{k}={was!r} set one field to two "
+                        f"values; set it in one place"
+                    )
+                object.__setattr__(obj, k, v)
+            out[name] = _check_method_config(obj, name, f"credit_args: {name}" if over else f"credit_config.{name}")
+        return out
+
+
+def credit_config_for(section: Any, credit: str) -> Any:
+    """``section`` (a ``credit_config``) with every method outside ``credit``'s spec back at its
+    defaults: one base config run under several specs (``compare``) sets each run's own."""
+    from .spec import parse_spec
+
+    names = {m.name for m in parse_spec(_spec_of(credit))}
+    return dataclasses.replace(section, **{n: f.default_factory() for n, f in section.__dataclass_fields__.items() if n not in names})
 
 
 def parse_credit_args(args) -> Dict[str, Dict[str, Any]]:
@@ -374,12 +506,17 @@ def _from_dict(cls, data: Dict[str, Any], where: str):
     for k, v in data.items():
         f = fields[k]
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if sub is not None and dataclasses.is_dataclass(sub):
+        if sub is not None and dataclasses.is_dataclass(sub) and not isinstance(v, sub):
             kw[k] = _from_dict(sub, v, f"{where}.{k}" if where else k)
         elif isinstance(v, list):
             kw[k] = tuple(v)
         else:
             kw[k] = v
+    if where.startswith("credit_config."):  # a method's config: its types, then its own checks
+        obj = cls()
+        for k, v in kw.items():
+            object.__setattr__(obj, k, v)
+        return _check_method_config(obj, where.split(".")[1], where)
     return cls(**kw)
 
 
@@ -413,6 +550,47 @@ def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _check_method_flags(args: list) -> None:
+    """An unknown method or field in a ``--credit-config.METHOD.FIELD`` flag: one line naming it
+    and the valid choices (tyro's own message lists look-alike flags over many lines)."""
+    methods = [f.name for f in dataclasses.fields(MethodConfigs)]
+    for a in args:
+        m = re.match(r"--credit[-_]config\.([^=]*)", a) if isinstance(a, str) else None
+        if m is None:
+            continue
+        flag, parts = a.split("=", 1)[0], m.group(1).split(".")
+        method = parts[0].replace("-", "_")
+        if method not in methods:
+            raise ConfigError(f"{flag}: unknown credit method {parts[0]!r}; expected one of {methods}")
+        cls = getattr(MethodConfigs, "__dataclass_fields__")[method].default_factory
+        valid = [f.name for f in dataclasses.fields(cls)]
+        name = parts[1].replace("-", "_") if len(parts) == 2 else None
+        negated = name is not None and name.startswith("no_") and name[3:] in valid
+        if name not in valid and not negated:
+            raise ConfigError(f"{flag}: unknown field of {method}; expected --credit-config.{method}.FIELD, FIELD one of {valid}")
+
+
+def _first_paragraph(text: str) -> str:
+    """The first paragraph of tyro's error message ("Error parsing --steps: invalid literal ...").
+    tyro frames it in a box on a terminal (``╭─ Value error ─╮``, ``│ ... │`` lines, a ``─`` rule
+    after the paragraph), or writes it plain (a title line, a ``-`` rule, the paragraph, a rule)."""
+    framed = "╭" in text
+    lines = [ln.strip().strip("│").strip() for ln in text.splitlines() if not ln.strip().startswith(("╭", "╰"))]
+
+    def rule(ln: str) -> bool:
+        return len(ln) > 3 and set(ln) <= {"─", "-"}
+
+    if not framed and len(lines) > 1 and rule(lines[1]):  # plain: skip the title and its rule
+        lines = lines[2:]
+    out = []
+    for ln in lines:
+        if rule(ln) or (not ln and out):
+            break
+        if ln:
+            out.append(ln)
+    return " ".join(out)
+
+
 def _parse_args(args: list, base: TrainConfig) -> TrainConfig:
     """tyro's parse of ``args`` on top of ``base``, with its errors as one-line ConfigErrors.
 
@@ -424,6 +602,7 @@ def _parse_args(args: list, base: TrainConfig) -> TrainConfig:
 
     import tyro
 
+    _check_method_flags(args)
     err = io.StringIO()
     token = _DEFER_CHECKS.set(True)
     try:
@@ -432,11 +611,15 @@ def _parse_args(args: list, base: TrainConfig) -> TrainConfig:
     except SystemExit as e:
         text = err.getvalue()
         if e.code not in (0, None):
-            # the framed message's first paragraph: "Error parsing --steps: invalid literal ..."
-            box = [ln.strip().strip("│").strip() for ln in text.splitlines() if ln.strip().startswith("│")]
-            first = " ".join(b for b in box[: next((i for i, b in enumerate(box) if b.startswith("─")), len(box))] if b)
+            first = _first_paragraph(text)
             if first:
-                raise ConfigError(re.sub(r"^Error parsing ", "", first)) from None
+                first = re.sub(r"^Error parsing ", "", first)
+                # a method config's own check, run by tyro: "credit-config.taco: taco lam: expected ..."
+                m = re.match(r"credit-config\.([\w-]+): (.*)", first)
+                if m:
+                    method = m.group(1).replace("-", "_")
+                    first = _method_message(ValueError(m.group(2)), method, f"credit_config.{method}")
+                raise ConfigError(first) from None
         sys.stderr.write(text)
         raise
     finally:
@@ -477,7 +660,22 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
 
 
 def config_to_dict(cfg: TrainConfig) -> Dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """``cfg`` as plain values (``config.json``). ``credit_config`` holds the settings each method
+    of the spec runs with (``credit_args`` merged in, every field), and nothing of the other
+    methods (a change of an unused method's defaults does not refuse a ``--resume``).
+    ``_from_dict(TrainConfig, ...)`` reads it back to a config with the same
+    :meth:`~TrainConfig.method_configs` and the same ``config_to_dict``. A config that does not
+    validate is written as it is."""
+    d = dataclasses.asdict(cfg)
+    try:
+        used = cfg.method_configs()
+    except ValueError:
+        return d
+    # a method registered after this module was imported (a plugin) has no field: its settings
+    # are its credit_args
+    known = {f.name for f in dataclasses.fields(MethodConfigs)}
+    d["credit_config"] = {name: dataclasses.asdict(c) for name, c in used.items() if name in known}
+    return d
 
 
 #: fields that a resumed run may change (top-level names or dotted paths): the budget and the
@@ -491,7 +689,12 @@ SAFE_TO_CHANGE = frozenset(
 
 def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANGE, prefix: str = "") -> List[str]:
     """The differences between two configs as dicts (``config_to_dict``, or read back from JSON),
-    one ``"field: old -> new"`` per field, leaving out the fields in ``ignore``."""
+    one ``"field: old -> new"`` per field, leaving out the fields in ``ignore``.
+
+    A method missing from one side's ``credit_config`` (``config_to_dict`` writes only the spec's;
+    a config written before the section existed has none) reads as that method's defaults."""
+    if not prefix and isinstance(saved, dict) and isinstance(new, dict):
+        saved, new = _same_methods(saved, new)
     diffs = []
     for k in sorted(set(saved) | set(new)):
         if f"{prefix}{k}" in ignore:
@@ -502,3 +705,20 @@ def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANG
         elif (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
             diffs.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return diffs
+
+
+def _same_methods(a: Dict[str, Any], b: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``a`` and ``b`` with the same methods in ``credit_config``: one missing on one side (or the
+    whole section, in a config written before it existed) reads as that method's defaults."""
+    ca, cb = a.get("credit_config", {}), b.get("credit_config", {})
+    if not (isinstance(ca, dict) and isinstance(cb, dict)) or set(ca) == set(cb):
+        return a, b
+    from .registry import get_method
+
+    defaults = {}
+    for name in set(ca) ^ set(cb):
+        try:
+            defaults[name] = dataclasses.asdict(get_method(name).config_cls())
+        except (KeyError, ValueError):
+            pass  # not a method of this version: the difference is reported
+    return dict(a, credit_config={**defaults, **ca}), dict(b, credit_config={**defaults, **cb})

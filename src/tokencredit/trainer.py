@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from .batch import CreditBatch
 from .checkpoint import check_output_dir, latest_checkpoint, load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import SAFE_TO_CHANGE, ConfigError, TrainConfig, config_diff, config_to_dict, parse_credit_args
+from .config import SAFE_TO_CHANGE, ConfigError, TrainConfig, config_diff, config_to_dict
 from .batch import SIGNALS
 from .forward import forward_response
 from .plan import PlanError, SignalPlan, plan_signals
@@ -96,7 +96,7 @@ class Trainer:
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         )
-        self.credit = CreditPipeline(cfg.credit, parse_credit_args(cfg.credit_args))
+        self.credit = CreditPipeline(cfg.credit, cfg.method_configs())  # credit_config + credit_args
         # what the spec's methods declare (signals, passes, critic, an adapter, a teacher),
         # checked against this setting before any model is loaded
         self.plan = _plan(self.credit, cfg, model=model, reference=reference, teacher=teacher)

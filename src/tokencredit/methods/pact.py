@@ -93,7 +93,7 @@ class PACTConfig:
     # per-token ratio pi_new / pi_old of the updated actor, samples outside [is_low, is_high]
     # masked, not clipped). The range is reconstructed: the paper's numbers were not recovered.
     is_low: float = DEFAULT_IS_LOW
-    is_high: float = DEFAULT_IS_HIGH
+    is_high: float = DEFAULT_IS_HIGH  # upper end of that range (reconstructed, as is_low)
 
     def __post_init__(self):
         for name in ("gamma", "lam"):
