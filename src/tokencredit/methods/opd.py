@@ -4,13 +4,16 @@
     e_t     = clip(e_t, -clip, clip)                             only if ``clip`` is set
     A_{b,t} = coefficient * e_t                                  on every valid token
 
-The oracle O is a stronger frozen teacher (on-policy distillation) or the policy itself given
-privileged context such as the reference answer (self-distillation, SDPO). Summed over the
+The oracle O is a stronger frozen teacher scoring the student's own prompt, log pi_T(y_t | x, y_<t)
+(``oracle="teacher"``, on-policy distillation), or the policy itself given privileged context,
+the reference answer, log pi_theta(y_t | x+, y_<t) (``oracle="self"``, self-distillation, SDPO:
+without the privileged context e_t would be 0). :func:`oracle_pass` declares that pass to the
+trainers. Summed over the
 response, ``sum_t -e_t`` is the single-sample estimate of the reverse KL
 KL(pi_theta || pi_O) on the sampled tokens, so maximising ``sum_t A_t log pi_theta(y_t)``
 with A_t = e_t is the per-token negative reverse-KL reward of on-policy distillation. No
 outcome reward and no groups are used. OPPO's advantage reduces to this one when its
-accumulation and state weight are switched off (``oppo.py``).
+accumulation, state weight and anchoring are switched off (``oppo.py``).
 """
 
 from __future__ import annotations
