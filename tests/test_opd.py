@@ -138,5 +138,5 @@ def test_trl_opd_teacher_scores_the_students_own_prompt(tmp_path):
 
 
 def test_trl_teacher_oracle_without_a_teacher_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="oracle='teacher' needs oracle_model"):
+    with pytest.raises(ValueError, match=r"oracle_model: credit 'opd' has opd.oracle='teacher'.*got none"):
         _trl_trainer(tmp_path, {"opd": {"oracle": "teacher"}}, teacher=False)

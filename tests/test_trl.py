@@ -183,9 +183,18 @@ def _check_run(trainer, credit, config=None, steps=2):
         assert torch.equal(batch.response_mask.bool(), out["completion_mask"].bool())
         # exactly the declared signals are computed, and they match an independent forward pass
         core = CreditPipeline(credit, dict(config or {}))
-        present = {s for s in TOKEN_SIGNALS if getattr(batch, s) is not None}
+        present = {s for s in TOKEN_SIGNALS if getattr(batch, s) is not None} - {"old_logprobs"}
         assert present == set(core.required_signals)
         assert set(rec["expected"]) == present
+        # the pre-update log-probs ride along as old_logprobs (AR-Lopti reads them): TRL's
+        # generation-time pass when it ran one, else the policy pass's
+        trl_old = rec["out"].get("old_per_token_logps")
+        if trl_old is not None:
+            assert torch.equal(batch.old_logprobs, trl_old.float())
+        elif batch.logprobs is not None:
+            assert torch.equal(batch.old_logprobs, batch.logprobs)
+        else:
+            assert batch.old_logprobs is None
         m = batch.mask
         for name, expected in rec["expected"].items():
             got = getattr(batch, name)
@@ -232,11 +241,12 @@ FAMILIES = [
     ("opd", {}, {}),
     ("surprisal", {}, {}),
     ("entropy", {}, {}),
+    ("taco", {"taco": {"mode": "ar_lopti"}}, {}),  # reads old_logprobs, which no method declares
     ("oppo+taco", {"oppo": {"oracle": "teacher"}, "taco": {"alpha": 2.0}}, {"teacher": True}),
     ("acpo", {}, {"checkpointing": True}),  # TRL's default: activation checkpointing on
     ("rloo+arca", {}, {"lora": True, "checkpointing": True}),
 ]
-FAMILY_IDS = [f[0] + ("-teacher" if f[2].get("teacher") else "") + ("-ckpt" if f[2].get("checkpointing") else "") for f in FAMILIES]
+FAMILY_IDS = [f[0] + ("-" + f[1]["taco"]["mode"] if "mode" in f[1].get("taco", {}) else "") + ("-teacher" if f[2].get("teacher") else "") + ("-ckpt" if f[2].get("checkpointing") else "") for f in FAMILIES]
 
 
 @pytest.mark.parametrize("credit,config,kw", FAMILIES, ids=FAMILY_IDS)
@@ -325,16 +335,20 @@ def test_controller_steps_once_per_optimizer_step(tmp_path):
 )
 def test_signals_only_when_declared(tmp_path, credit, extra_passes, kw):
     trainer = _make(tmp_path, credit, **kw)
-    calls = []
+    trl_calls, passes = [], []
     original = trainer._get_per_token_logps_and_entropies
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: calls.append(torch.is_grad_enabled()) or original(*a, **k)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: trl_calls.append(torch.is_grad_enabled()) or original(*a, **k)
+    forward = trainer._signal_forward  # the forward of every signal pass (tokencredit.passes)
+    trainer._signal_forward = lambda *a, **k: passes.append(torch.is_grad_enabled()) or forward(*a, **k)
     trainer.train()
     _check_run(trainer, credit)
     n_gen, n_loss = len(trainer.records), len(trainer.loss_rows)
     trl_old = int("old_per_token_logps" in trainer.records[0]["out"])  # TRL's own no-grad pass
     assert trl_old == int(kw.get("steps_per_generation", 1) > 1)
-    assert calls.count(True) == n_loss
-    assert calls.count(False) == n_gen * (trl_old + extra_passes)
+    assert trl_calls.count(True) == n_loss
+    assert trl_calls.count(False) == n_gen * trl_old
+    # one generation batch is one micro-batch here (per_device_train_batch_size rows)
+    assert passes == [False] * (n_gen * extra_passes)
     if trl_old:
         assert trainer.records[0]["batch"].logprobs.equal(trainer.records[0]["out"]["old_per_token_logps"])
 
@@ -346,10 +360,15 @@ def test_value_methods_are_refused(tmp_path, credit):
 
 
 def test_clear_errors_at_construction(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="hidden_residual.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"arca reads the LoRA adapter.*peft_config=LoraConfig.*LlamaForCausalLM"):
         _make(tmp_path, "arca")
     with pytest.raises(ValueError, match="ref_logprobs.*beta"):
         _make(tmp_path, "divergence")
+    # a declared need the plan cannot meet, in this trainer's argument names
+    with pytest.raises(ValueError, match=r"^oracle_model: .*oppo.oracle='teacher'.*expected a teacher model \(oracle_model="):
+        _make(tmp_path, "oppo", config={"oppo": {"oracle": "teacher"}})
+    with pytest.raises(ValueError, match=r"^oracle_model: .*unused.*credit_config=\{'oppo': \{'oracle': 'teacher'\}\}"):
+        _make(tmp_path, "oppo", teacher=True)
     with pytest.raises(ValueError, match="scale_rewards"):
         _make(tmp_path, "grpo", scale_rewards="none")
     with pytest.raises(ValueError, match="unknown key"):

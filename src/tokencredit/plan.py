@@ -14,8 +14,8 @@ each computed once and shared by every signal it serves:
                   oracle prompt or the student's own
     critic        a value head on the policy's hidden  values
 
-A trainer knows passes, never method names: ``tests/test_plan.py`` registers a method from
-outside the package and runs it through both trainers.
+A trainer knows passes, never method names: ``tests/test_external_method.py`` registers methods
+from outside the package and runs them through both trainers.
 """
 
 from __future__ import annotations

@@ -28,18 +28,19 @@ built and a missing one fails with the installed TRL version in the message):
   (``self._metrics[mode][name]``) under their namespaced names (``taco/weight_mean``,
   ``diag/weight_gini``, ...).
 
-Signals: policy ``logprobs``/``entropy`` come from TRL's ``_get_per_token_logps_and_entropies``
-(the same forward convention as its loss; the log-probs of the generation pass are reused
-when TRL computed them); ``mode_prob`` needs the logits, so a spec with it does one no-grad
-forward returning logits and takes ``logprobs``/``entropy``/``mode_prob`` from
-:func:`tokencredit.signals.token_signals`; ``ref_logprobs`` reuse TRL's reference pass when
-``beta > 0`` and are otherwise the adapter-off pass of a PEFT model; ``hidden_residual`` is the
-final hidden state with the LoRA adapter on minus off; ``oracle_logprobs`` score the completion
-after an oracle prompt built with :func:`tokencredit.methods.oppo.oracle_prompt` from the
-dataset's question and answer columns, by the policy itself (self-oracle) or by
-``oracle_model``. All signals are computed on the policy of the generation step: with TRL's
-default ``steps_per_generation == gradient_accumulation_steps`` and ``num_iterations == 1``
-that is the policy the update starts from.
+Signals: the spec's methods declare them and the extra passes they need; ``tokencredit.plan``
+turns that into the minimal set of passes (in ``__init__``, so an unmet need fails at
+construction) and ``tokencredit.passes.run_passes`` runs them, as in tokencredit's own trainer,
+with a TRL forward (one plain no-grad forward under TRL's autocast, ``logits_to_keep=T+1``) and
+what TRL already computed passed as given: its generation-time ``old_per_token_logps`` (then the
+policy pass runs only for entropy / mode probability) and, when ``beta > 0``, its reference
+``ref_per_token_logps``; otherwise the reference is the adapter-off pass of a PEFT model. An
+oracle pass scores the completion after the declared oracle prompt, built by
+:func:`tokencredit.passes.oracle_texts` from the dataset's question and answer columns and
+rendered and tokenised by TRL's ``_tokenize_prompts``, or after the student's own prompt. All
+signals are computed on the policy of the generation step: with TRL's default
+``steps_per_generation == gradient_accumulation_steps`` and ``num_iterations == 1`` that is the
+policy the update starts from.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import warnings
 from typing import Any, Dict, Optional
 
@@ -64,6 +66,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..batch import CreditBatch
+from ..plan import PlanError, plan_signals
 from ..spec import CreditPipeline
 
 __all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION", "checkpointing_field", "checkpointing_args"]
@@ -77,8 +80,8 @@ CREDIT_STATE_NAME = "credit_state.json"
 _TRL_METHODS = {
     "_generate_and_score_completions": "overridden: its (B,) advantages are replaced by [B, T] credit",
     "_calculate_rewards": "wrapped: the raw per-function rewards are kept for the estimator",
-    "_get_per_token_logps_and_entropies": "called: policy, reference and self-oracle log-probs / entropy",
-    "_tokenize_prompts": "called: oracle prompts are tokenised as TRL tokenises prompts",
+    "_get_per_token_logps_and_entropies": "called: policy log-probs / entropy and the reference of multimodal batches",
+    "_tokenize_prompts": "called: oracle prompts are rendered and tokenised as TRL does its prompts",
     "_compute_loss": "relied on: it accepts [B, T] advantages",
     "_save_checkpoint": "overridden: writes credit_state.json into the checkpoint",
     "_load_optimizer_and_scheduler": "overridden: reads credit_state.json on resume",
@@ -155,6 +158,18 @@ def _model_name(model) -> str:
     return f"model {model!r}" if isinstance(model, str) else f"a {type(model).__name__}"
 
 
+def _in_trl_terms(message: str, model) -> str:
+    """A plan error's one line with the own trainer's options spelled as this trainer's arguments."""
+    for cli, trl_arg in (
+        ("model.teacher:", "oracle_model:"),
+        ("--model.teacher NAME", "oracle_model=<a frozen model with the policy's tokenizer>"),
+        ("--model.lora", "peft_config=LoraConfig(...) or a peft LoRA model"),
+        ("got one without", f"got {_model_name(model)} without one"),
+    ):
+        message = message.replace(cli, trl_arg)
+    return re.sub(r"--credit-args (\w+)\.(\w+)=(\w+)", r"credit_config={'\1': {'\2': '\3'}}", message)
+
+
 # -- JSON round trip of method state (tensors become tagged lists) ------------------------
 def _to_json(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
@@ -184,11 +199,12 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
     Args (besides every ``GRPOTrainer`` argument, passed through unchanged):
         credit: a credit spec, e.g. ``"grpo"``, ``"grpo+taco"``, ``"oppo+stare"``, ``"rloo+arca"``.
         credit_config: per-method overrides by method name, e.g. ``{"taco": {"lam": 0.5}}``.
-        prompt_column: dataset column holding the question that the oracle prompt is built from
-            (OPPO / OPD only). When it holds a conversation, its last user message is the question.
-        answer_column: dataset column with the reference answer (OPPO / OPD only).
-        oracle_model: a frozen model (same tokenizer) that scores the oracle prompt instead of the
-            policy (teacher-oracle). ``None``: the policy itself (self-oracle).
+        prompt_column: dataset column holding the question that an oracle prompt is built from
+            (methods that declare one: OPPO, self-oracle OPD). When it holds a conversation, its
+            last user message is the question.
+        answer_column: dataset column with the reference answer (the same methods).
+        oracle_model: a frozen model (same tokenizer) for a method that declares a teacher-scored
+            pass (OPPO / OPD with ``oracle="teacher"``); ``None``: no teacher.
 
     After each generation, ``last_credit_batch`` (the :class:`CreditBatch` of the whole generation
     batch, all processes) and ``last_credit_output`` hold what the credit was computed from.
@@ -214,10 +230,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                 stacklevel=2,
             )
         self.credit = CreditPipeline(credit, dict(credit_config or {}))
-        need = self.credit.required_signals
-        self._credit_need = need
-
-        if "values" in need:
+        if "values" in self.credit.required_signals:
             methods = [m.name for m in self.credit.methods if "values" in m.requires]
             raise ValueError(
                 f"credit '{self.credit.name}': method(s) {methods} need a critic's values, which TRL's "
@@ -246,13 +259,14 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                 )
         beta = cfg.beta if cfg is not None else 0.0
 
-        if "hidden_residual" in need and not uses_peft:
-            raise ValueError(
-                f"credit '{self.credit.name}' needs hidden_residual, the LoRA adapter's hidden-state residual "
-                f"(ARCA): pass peft_config=LoraConfig(...) or a peft LoRA model; got {_model_name(model)} "
-                f"without an adapter"
-            )
-        if "ref_logprobs" in need and beta == 0.0 and not uses_peft:
+        # the passes the spec's methods declare (tokencredit.plan): TRL's KL term reads its own
+        # reference pass, so kl stays off; a reference the credit needs is TRL's (beta > 0, given)
+        # or the adapter-off pass of a PEFT model
+        try:
+            self._plan = plan_signals(self.credit, lora=uses_peft, kl=False, teacher=oracle_model is not None)
+        except PlanError as e:
+            raise ValueError(_in_trl_terms(str(e), model)) from None
+        if self._plan.reference and beta == 0.0:
             raise ValueError(
                 f"credit '{self.credit.name}' needs ref_logprobs: set GRPOConfig(beta=...) > 0 (TRL then keeps a "
                 f"reference model) or train a PEFT adapter (the adapter-off pass is the reference); got beta=0 "
@@ -262,20 +276,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         self.prompt_column = prompt_column
         self.answer_column = answer_column
         self.oracle_model = oracle_model
-        est_cfg = self.credit.configs[self.credit.estimator.name]
-        self._oracle_template = getattr(est_cfg, "oracle_template", None)
-        if "oracle_logprobs" in need:
-            wants = getattr(est_cfg, "oracle", None)
-            if wants == "teacher" and oracle_model is None:
-                raise ValueError(
-                    f"credit '{self.credit.name}': {self.credit.estimator.name} oracle='teacher' needs "
-                    f"oracle_model=<a frozen model with the policy's tokenizer>, got oracle_model=None"
-                )
-            if wants == "self" and oracle_model is not None:
-                raise ValueError(
-                    f"credit '{self.credit.name}': oracle_model was given but {self.credit.estimator.name} "
-                    f"oracle='self'; set credit_config={{'{self.credit.estimator.name}': {{'oracle': 'teacher'}}}}"
-                )
+        if self._plan.oracle is not None and self._plan.oracle.prompt is not None:  # an oracle prompt is built
             ds = bound.get("train_dataset")
             cols = getattr(ds, "column_names", None)
             if isinstance(cols, list):
@@ -286,15 +287,13 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                         f"prompt_column={prompt_column!r} and answer_column={answer_column!r}; the train dataset "
                         f"lacks {missing} (its columns: {cols})"
                     )
-        elif oracle_model is not None:
-            raise ValueError(f"oracle_model: credit '{self.credit.name}' reads no oracle log-probs, got a model")
 
         super().__init__(*args, **kwargs)
 
         for attr in _TRL_ATTRIBUTES:
             if not hasattr(self, attr):
                 raise _trl_problem(f"GRPOTrainer instance has no attribute {attr!r}")
-        if "hidden_residual" in need:
+        if "hidden" in self._plan.adapter_off:  # a method reads the adapter's effect: it must be LoRA
             unwrapped = self.accelerator.unwrap_model(self.model)
             active = getattr(unwrapped, "active_adapter", "default")
             pcfg = getattr(unwrapped, "peft_config", {}).get(active)
@@ -394,7 +393,14 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         mask = out["completion_mask"]
         if "tool_mask" in out:
             mask = mask * out["tool_mask"]
-        signals = self._credit_signals(out, inputs) if self._credit_need else {}
+        signals = self._credit_signals(out, inputs) if self._plan.passes else {}
+        # the pre-update (behaviour) log-probs: TRL's generation-time pass when it ran one, else
+        # the policy pass's (AR-Lopti reads them)
+        old = out.get("old_per_token_logps")
+        if old is None:
+            old = signals.get("logprobs")
+        if old is not None:
+            signals["old_logprobs"] = old.detach().float()
 
         rpf = self._tc_rewards_per_func.to(device)
         rewards = (rpf * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
@@ -421,43 +427,51 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _credit_signals(self, out: Dict[str, Any], inputs) -> Dict[str, torch.Tensor]:
-        need = self._credit_need
+        """The plan's passes on this process's rows (:func:`tokencredit.passes.run_passes`), with
+        what TRL already computed passed as ``given`` (not recomputed)."""
+        from ..passes import PassInputs, PassModels, run_passes
+
+        plan = self._plan
         prompt_ids, completion_ids = out["prompt_ids"], out["completion_ids"]
+        P = prompt_ids.size(1)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         att = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-        T = completion_ids.size(1)
         bs = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
+        given: Dict[str, torch.Tensor] = {}
+        if out.get("old_per_token_logps") is not None:  # TRL's generation-time policy pass (same weights)
+            given["logprobs"] = out["old_per_token_logps"]
+        if out.get("ref_per_token_logps") is not None:  # beta > 0: TRL's reference pass
+            given["ref_logprobs"] = out["ref_per_token_logps"]
+        inp = PassInputs(input_ids=ids, attention_mask=att, prompt_len=P, response_ids=completion_ids,
+                         response_mask=out["completion_mask"])
+        if plan.oracle is not None:
+            inp.oracle_input_ids, inp.oracle_attention_mask, inp.oracle_prompt_len = self._oracle_inputs(inputs, out, ids, att)
         mm = {k: out[k] for k in _MM_KEYS if k in out}
-        own_forward = {"mode_prob", "hidden_residual", "oracle_logprobs"} & need
-        if mm and own_forward:
-            raise NotImplementedError(
-                f"credit '{self.credit.name}': signals {sorted(own_forward)} need a forward pass that "
-                f"TokenCreditGRPOTrainer does not implement for multimodal inputs (got {sorted(mm)})"
-            )
-        sig: Dict[str, torch.Tensor] = {}
+        models = PassModels(policy=self.model, reference=self.ref_model, teacher=self.oracle_model,
+                            adapter_off=self._adapter_off)
         with self._no_checkpointing():
-            if "mode_prob" in need:
-                want = tuple(s for s in ("logprobs", "entropy", "mode_prob") if s in need)
-                sig.update(self._logits_signals(self.model, ids, att, completion_ids, bs, want))
-            elif "entropy" in need or ("logprobs" in need and out.get("old_per_token_logps") is None):
-                lp, ent, _ = self._get_per_token_logps_and_entropies(
-                    self.model, ids, att, T, batch_size=bs, compute_entropy="entropy" in need, **mm
-                )
-                if "logprobs" in need:
-                    sig["logprobs"] = lp
-                if "entropy" in need:
-                    sig["entropy"] = ent
-            elif "logprobs" in need:
-                # TRL already ran the policy on this batch at generation time (same weights)
-                sig["logprobs"] = out["old_per_token_logps"]
+            if mm:
+                given.update(self._multimodal_signals(given, ids, att, completion_ids.size(1), bs, mm))
+            sig = run_passes(plan, models, inp, temperature=self.temperature, micro_batch_size=bs,
+                             forward=self._signal_forward, given=given)
+        return {k: v.detach().float() for k, v in sig.items() if k in plan.signals}
 
-            if "ref_logprobs" in need:
-                sig["ref_logprobs"] = self._ref_logprobs(out, ids, att, T, bs, mm)
-            if "hidden_residual" in need:
-                sig["hidden_residual"] = self._hidden_residual(ids, att, T, bs)
-            if "oracle_logprobs" in need:
-                sig["oracle_logprobs"] = self._oracle_logprobs(inputs, completion_ids, out["completion_mask"], bs)
-        return {k: v.detach().float() for k, v in sig.items()}
+    def _signal_forward(self, model, ids, att, prompt_len, *, hidden=False):
+        """``passes.Forward`` in TRL: one plain no-grad forward under TRL's autocast, keeping the
+        logits of the T + 1 last positions; returns ``(h [N, T+1, D] | None, logits [N, T, V])``,
+        row t of each being the state / distribution that predicts completion token t."""
+        T = ids.size(1) - prompt_len
+        extra = {"output_hidden_states": True} if hidden else {}
+        with self.accelerator.autocast():
+            o = model(input_ids=ids, attention_mask=att, logits_to_keep=T + 1, use_cache=False, **extra)
+        return (o.hidden_states[-1][:, -T - 1 :] if hidden else None), o.logits[:, :-1]
+
+    def _adapter_off(self):
+        # The adapter-off pass gives ARCA's base states and, when beta == 0, the LoRA reference.
+        # TRL keeps an initial copy of a re-trained adapter (adapter "ref") only when beta != 0,
+        # and then its own reference pass gives ref_logprobs (given, never recomputed), so this
+        # pass never needs "ref": disabling the adapter is TRL's use_adapter(model, None).
+        return self.accelerator.unwrap_model(self.model).disable_adapter()
 
     def _no_checkpointing(self):
         # TRL turns gradient checkpointing off around its own no-grad passes (a warning otherwise)
@@ -467,60 +481,40 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
             return contextlib.nullcontext()
         return disable_gradient_checkpointing(self.model, _checkpointing_kwargs(self.args))
 
-    def _logits_signals(self, model, ids, att, completion_ids, bs, want):
-        """token_signals of ``completion_ids`` from a plain forward returning logits (chunked by ``bs``)."""
-        from ..signals import token_signals
-
-        T = completion_ids.size(1)
-        parts: Dict[str, list] = {}
-        for s in range(0, ids.size(0), bs):
-            with self.accelerator.autocast():
-                logits = model(input_ids=ids[s : s + bs], attention_mask=att[s : s + bs], logits_to_keep=T + 1).logits
-            got = token_signals(
-                logits[:, :-1].float(), completion_ids[s : s + bs], temperature=self.temperature, want=want
+    def _multimodal_signals(self, given, ids, att, T, bs, mm) -> Dict[str, torch.Tensor]:
+        """Multimodal batches: the policy's log-probs / entropy and the adapter-off reference through
+        TRL's helper (which slices the image fields per chunk), returned as ``given``; the passes
+        that need a plain forward (mode_prob, hidden states, the oracle prompt) are not supported."""
+        plan = self._plan
+        own = sorted(plan.signals & {"mode_prob", "hidden_residual", "oracle_logprobs"})
+        if own:
+            raise NotImplementedError(
+                f"credit '{self.credit.name}': signals {own} need a forward pass that "
+                f"TokenCreditGRPOTrainer does not implement for multimodal inputs (got {sorted(mm)})"
             )
-            for k, v in got.items():
-                parts.setdefault(k, []).append(v)
-        return {k: torch.cat(v) for k, v in parts.items()}
+        got: Dict[str, torch.Tensor] = {}
+        policy = [s for s in plan.policy if s not in given]
+        if policy:
+            lp, ent, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, att, T, batch_size=bs, compute_entropy="entropy" in policy, **mm
+            )
+            got.update({"logprobs": lp, **({"entropy": ent} if ent is not None else {})})
+        if "logprobs" in plan.adapter_off and "ref_logprobs" not in given:
+            with self._adapter_off():
+                got["ref_logprobs"], _, _ = self._get_per_token_logps_and_entropies(self.model, ids, att, T, batch_size=bs, **mm)
+        return {k: v for k, v in got.items() if k not in given}
 
-    def _ref_logprobs(self, out, ids, att, T, bs, mm):
-        if out.get("ref_per_token_logps") is not None:  # beta > 0: TRL's reference pass
-            return out["ref_per_token_logps"]
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if not _is_peft(unwrapped):
-            raise ValueError(f"credit '{self.credit.name}' needs ref_logprobs: set beta > 0 or train a PEFT adapter")
-        from trl.trainer.utils import use_adapter
+    def _oracle_inputs(self, inputs, out, ids, att):
+        """The oracle pass's input: the declared oracle prompt (``passes.oracle_texts`` of each row's
+        prompt, question and answer), rendered and tokenised by TRL's ``_tokenize_prompts``, then
+        the same completions; the student's own input when the oracle sees the student's prompt."""
+        from trl.trainer.utils import pad
 
-        # TRL's rule: a re-trained adapter keeps its initial copy as adapter "ref"; a new one is off
-        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-            lp, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, att, T, batch_size=bs, **mm)
-        return lp
+        from ..passes import oracle_texts
 
-    def _final_hidden(self, ids, att, T, bs):
-        """Final hidden state (the LM head's input) at the positions that predict the completion."""
-        hs = []
-        for s in range(0, ids.size(0), bs):
-            with self.accelerator.autocast():
-                o = self.model(
-                    input_ids=ids[s : s + bs], attention_mask=att[s : s + bs], output_hidden_states=True,
-                    logits_to_keep=1, use_cache=False,
-                )
-            hs.append(o.hidden_states[-1][:, -T - 1 : -1].float())
-        return torch.cat(hs)
-
-    def _hidden_residual(self, ids, att, T, bs):
-        from ..signals import hidden_residual
-
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        h_on = self._final_hidden(ids, att, T, bs)
-        with unwrapped.disable_adapter():
-            h_off = self._final_hidden(ids, att, T, bs)
-        return hidden_residual(h_on, h_off)
-
-    def _oracle_prompts(self, inputs):
-        from ..methods.oppo import oracle_prompt
-
-        prompts = []
+        if self._plan.oracle.prompt is None:  # a teacher scores the student's own prompt + completion
+            return ids, att, out["prompt_ids"].size(1)
+        convs, questions, answers = [], [], []
         for i, x in enumerate(inputs):
             for col in dict.fromkeys([self.prompt_column, self.answer_column, "prompt"]):
                 if col not in x:
@@ -528,35 +522,25 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                         f"oracle prompt: row {i} has no column {col!r} (prompt_column={self.prompt_column!r}, "
                         f"answer_column={self.answer_column!r}); columns: {sorted(x)}"
                     )
-            base, q, a = x["prompt"], x[self.prompt_column], x[self.answer_column]
-            if isinstance(q, list):  # a conversation: the question is its last user message
-                q = _last_user_text(q, i)
-            args = (q, a) if self._oracle_template is None else (q, a, self._oracle_template)
-            text = oracle_prompt(*args)
+            base, q = x["prompt"], x[self.prompt_column]
             if isinstance(base, list):
-                j = _last_user_index(base, i)
-                prompts.append(base[:j] + [{**base[j], "content": text}] + base[j + 1 :])
-            else:
-                prompts.append(text)
-        return prompts
-
-    def _oracle_logprobs(self, inputs, completion_ids, completion_mask, bs):
-        from trl.trainer.utils import pad
-
-        oracle_ids, _, mm = self._tokenize_prompts(self._oracle_prompts(inputs))
+                _last_user_index(base, i)  # a text user message to replace
+            convs.append(base)
+            questions.append(_last_user_text(q, i) if isinstance(q, list) else q)  # a conversation: its last user message
+            answers.append(x[self.answer_column])
+        # conversations stay conversations: TRL renders them (chat template, tools, kwargs)
+        prompts = oracle_texts(self._plan, convs, questions, answers, render=lambda conv: conv)
+        oracle_ids, _, mm = self._tokenize_prompts(prompts)
         if mm:
             raise NotImplementedError(f"oracle prompts with multimodal fields {sorted(mm)} are not supported")
+        completion_ids, completion_mask = out["completion_ids"], out["completion_mask"]
         device = completion_ids.device
         rows = [torch.as_tensor(r, dtype=torch.long) for r in oracle_ids]
         pid = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         pmask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(device)
-        ids = torch.cat([pid, completion_ids], dim=1)
-        att = torch.cat([pmask, completion_mask.to(pmask.dtype)], dim=1)
-        T = completion_ids.size(1)
-        if self.oracle_model is not None:
-            return self._logits_signals(self.oracle_model, ids, att, completion_ids, bs, ("logprobs",))["logprobs"]
-        lp, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, att, T, batch_size=bs)
-        return lp
+        o_ids = torch.cat([pid, completion_ids], dim=1)
+        o_att = torch.cat([pmask, completion_mask.to(pmask.dtype)], dim=1)
+        return o_ids, o_att, pid.size(1)
 
     def _replace_logged_advantages(self, advantages: torch.Tensor, mask: torch.Tensor) -> None:
         """TRL logs one advantage per completion (completions table): log the row's mean credit."""
