@@ -68,6 +68,24 @@ def test_arithmetic_answers_are_right():
         assert e.answer == str(a * b)
 
 
+def test_chain_answers_shot_turn_and_worked_reward():
+    t = make_task("chain", n_train=600, n_eval=8)
+    exs = t.train + t.eval
+    assert len(exs) == 455  # a + b - c > 0 over 2..9, less the worked example's question
+    for e in exs:
+        a, b, c = [int(x) for x in e.question.removeprefix("Compute ").rstrip(".").replace("-", "+").split(" + ")]
+        assert e.answer == str(a + b - c) and a + b - c > 0
+        # the worked example is a previous chat turn, the question is the last user message
+        roles = [m["role"] for m in e.messages]
+        assert roles == ["user", "assistant", "user"] and e.messages[0]["content"] != e.question
+        assert "Answer: 2" in e.messages[1]["content"]
+    e = exs[0]
+    a, b, c = [int(x) for x in e.question.removeprefix("Compute ").rstrip(".").replace("-", "+").split(" + ")]
+    right = f"Step 1: {a} + {b} = {a + b}\nStep 2: {a + b} - {c} = {a + b - c}\nAnswer: {a + b - c}"
+    wrong_step = f"Step 1: {a} + {b} = {a + b + 1}\nStep 2: {a + b + 1} - {c} = {a + b + 1 - c}\nAnswer: {a + b + 1 - c}"
+    assert t.reward(right, e) == 1.0 and t.reward(wrong_step, e) == 0.0
+
+
 def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="task name"):
         make_task("nope")

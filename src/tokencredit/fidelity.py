@@ -266,7 +266,7 @@ def _prompt_rows(saved: Dict[str, Any], tokenizer) -> List[List[int]]:
 
 def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[str, int], Tuple[float, Optional[str]]], out: str | Path, *,
                     M: int = 16, stride: int = 1, temperature: float, top_p: float = 1.0, max_new_tokens: int,
-                    rows_per_batch: int = 64, seed: int = 0, policy: str = "", progress: bool = True,
+                    rows_per_batch: int = 128, seed: int = 0, policy: str = "", progress: bool = True,
                     check: bool = True, baseline_batches: int = 0, max_seconds: Optional[float] = None,
                     sampler: Optional[Callable[..., Tuple[List[List[List[int]]], int]]] = None) -> Dict[str, Any]:
     """Estimate ``V(h_t)`` at every ``stride``-th position of every response; write ``out``.
@@ -315,10 +315,19 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     prompts = _prompt_rows(saved, tokenizer)
     samples, cont_tokens = state["samples"], state["cont_tokens"]
     todo = [(b, t) for b in range(B) for t in mc_positions(len(rows[b]), stride) if torch.isnan(samples[b, t]).any()]
-    # row by row, so that a build stopped half-way already has complete trajectories to score
-    todo.sort()
     per = max(1, int(rows_per_batch) // M)
-    chunks = [todo[i: i + per] for i in range(0, len(todo), per)]
+    # One generate call runs until its longest continuation ends, so a batch should hold
+    # prefixes of one position t (similar budgets) rather than all positions of one response
+    # (budgets from the whole response down to a few tokens: ~2x the decode steps). Groups of
+    # ``per`` responses at a time, position by position: a build stopped half-way still has
+    # complete trajectories (whole groups) to score.
+    todo.sort(key=lambda bt: (bt[0] // per, bt[1], bt[0]))
+    chunks: List[List[Tuple[int, int]]] = []
+    for bt in todo:  # one chunk per (group, position): at most ``per`` prefixes
+        if chunks and (chunks[-1][0][0] // per, chunks[-1][0][1]) == (bt[0] // per, bt[1]):
+            chunks[-1].append(bt)
+        else:
+            chunks.append([bt])
     total = sum(len(mc_positions(len(r), stride)) for r in rows)
     from tqdm.auto import tqdm
 
@@ -572,8 +581,23 @@ def bootstrap_mean(values: Sequence[float], cfg: FidelityConfig = FidelityConfig
     return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": int(v.numel())}
 
 
-def _row_scores(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, bool]], cfg: FidelityConfig) -> Dict[str, Dict[str, float]]:
-    per = [trajectory_metrics(a, c, s, cfg) for a, c, s in pairs]
+def is_constant(adv_row: torch.Tensor, length: int) -> bool:
+    """Whether a method's token credit is the same on every token of the response (uniform
+    credit: GRPO, RLOO, ...). Its span sums still differ when the last span is shorter than the
+    stride, which would give uniform credit a rank correlation with c that is only span length;
+    :func:`score` reports it as undefined instead."""
+    a = torch.as_tensor(adv_row).double()[:length]
+    return bool(a.numel() == 0 or float(a.max() - a.min()) <= 1e-9 * max(1.0, float(a.abs().max())))
+
+
+def _row_scores(pairs: Sequence[Tuple], cfg: FidelityConfig) -> Dict[str, Dict[str, float]]:
+    """``pairs``: (a, c, success) or (a, c, success, constant); a constant credit has no rank."""
+    per = []
+    for p in pairs:
+        m = trajectory_metrics(p[0], p[1], p[2], cfg)
+        if len(p) > 3 and p[3]:
+            m["rank_corr"] = float("nan")
+        per.append(m)
     return {k: bootstrap_mean([p[k] for p in per], cfg) for k in METRICS}
 
 
@@ -615,7 +639,8 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
                                 for b in rows_idx], "i.i.d. normal credit")
     for v in insp.views:
         needs_critic = any(m in ("gae", "pact") for m in v.spec.split("+"))
-        add(v.label, v.source, [(span_sums(v.advantages[b], lengths[b], stride), c[b], success[b]) for b in rows_idx],
+        add(v.label, v.source, [(span_sums(v.advantages[b], lengths[b], stride), c[b], success[b],
+                                 is_constant(v.advantages[b], lengths[b])) for b in rows_idx],
             critic_note if needs_critic else None)
     se = torch.cat([s for b, s in enumerate(standard_errors(est)) if b in set(rows_idx)])
     cs = torch.cat([c[b] for b in rows_idx])
@@ -749,7 +774,7 @@ def _build_main(argv: List[str]) -> int:
                    "(default: RUN/checkpoints/step_<S-1>, S the rollouts' step)")
     p.add_argument("-M", type=int, default=16, help="continuations per position (even)")
     p.add_argument("--stride", type=int, default=1, help="estimate every k-th position (credit compared per span)")
-    p.add_argument("--rows-per-batch", type=int, default=64)
+    p.add_argument("--rows-per-batch", type=int, default=128, help="prefixes x M per generate call (128: docs/fidelity.md)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")

@@ -44,6 +44,7 @@ import re
 import signal
 import threading
 from dataclasses import dataclass, field, replace
+from functools import partial
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -419,19 +420,34 @@ def _sample_unique(r: random.Random, k: int, taken: set, prefix: str) -> List[Ex
     return out
 
 
-# Multi-step chains (task "chain", issue 10): a + b - c with a, b, c in 2..9, solved in two
-# written steps after one worked example. Responses run 30+ tokens and the intermediate result
-# decides the outcome, so credit placement is not trivial (docs/fidelity.md measures the
-# embedded model's pass@1 on it).
-CHAIN_PROMPT = (
-    "Solve in two steps, like the example.\nExample: 3 + 4 - 5\nStep 1: 3 + 4 = 7\n"
-    "Step 2: 7 - 5 = 2\nAnswer: 2\n\nNow solve: {a} + {b} - {c}"
+# Multi-step chains (task "chain", issue 10): a + b - c with a, b, c in 2..9 and a positive
+# result, solved in two written steps. The worked example is a previous chat turn (a one-shot
+# dialogue), not text inside the question: with the example in the question the embedded model
+# copied its answer or restated the expression (pass@1 0.02-0.06 on 48 samples at T = 0.7);
+# as a previous turn it follows the format (pass@1 ~0.4, responses ~32 tokens; docs/fidelity.md).
+# The intermediate sum decides the outcome, so credit placement is not trivial.
+CHAIN_PROMPT = "Compute {a} + {b} - {c}."
+# (question, worked answer) turns shown before the question; its "Answer: N" line is what
+# extract_final_answer's "answer:" marker reads.
+CHAIN_SHOTS: Tuple[Tuple[str, str], ...] = (
+    (CHAIN_PROMPT.format(a=3, b=4, c=5), "Step 1: 3 + 4 = 7\nStep 2: 7 - 5 = 2\nAnswer: 2"),
 )
 
 
 def _chain_space() -> List[Tuple[str, str]]:
     r = range(2, 10)
-    return [(CHAIN_PROMPT.format(a=a, b=b, c=c), str(a + b - c)) for a in r for b in r for c in r]
+    shown = {q for q, _ in CHAIN_SHOTS}
+    return [(q, str(a + b - c)) for a in r for b in r for c in r
+            if a + b - c > 0 and (q := CHAIN_PROMPT.format(a=a, b=b, c=c)) not in shown]
+
+
+def _chain_example(question: str, answer: str) -> Example:
+    ex = _example("chain", question, answer)
+    shots = []
+    for q, a in CHAIN_SHOTS:
+        shots += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    msgs = list(ex.messages)
+    return replace(ex, messages=tuple(msgs[:-1] + shots + msgs[-1:]))
 
 
 def _warn_short(name: str, split: str, got: int, asked: int, space: Any) -> None:
@@ -447,10 +463,11 @@ def _procedural(name: str, seed: int, n_train: int, n_eval: int) -> Tuple[List[E
         space = _arith_space(name) if name in _ARITH else _chain_space()
         random.Random(f"{name}-eval-{EVAL_SEED}").shuffle(space)
         n_ev = min(n_eval, len(space) // 2)
-        ev = [_example(name, q, a) for q, a in space[:n_ev]]
+        make = _chain_example if name == "chain" else partial(_example, name)
+        ev = [make(q, a) for q, a in space[:n_ev]]
         rest = space[n_ev:]
         random.Random(f"{name}-train-{seed}").shuffle(rest)
-        tr = [_example(name, q, a) for q, a in rest[:n_train]]
+        tr = [make(q, a) for q, a in rest[:n_train]]
         _warn_short(name, "eval", len(ev), n_eval, len(space))
         _warn_short(name, "train", len(tr), n_train, len(space))
         return tr, ev
@@ -640,7 +657,7 @@ _DESCRIPTIONS = {
     "mul1": "1-digit multiplication (a, b in 1..9), 81 questions",
     "word": f"1-2 step word problems from {len(_WORD_TEMPLATES)} templates",
     "mix": "equal shares of " + ", ".join(MIX_PARTS),
-    "chain": "two-step chains a + b - c (a, b, c in 2..9) solved step by step, 512 questions",
+    "chain": "two-step chains a + b - c > 0 (a, b, c in 2..9) solved step by step after a worked example turn, 455 questions",
     "gsm8k": "GSM8K (hub openai/gsm8k or a local file), math-verify reward",
     "math": "MATH (hub DigitalLearningGmbH/MATH-lighteval or a local file), math-verify reward",
 }
