@@ -197,6 +197,166 @@ def test_oracle_inputs_score_like_the_core_oracle_pass():
         oracle_prompt_ids(plan, tok, raw, [{"style": "rule"}, rms[1]])
 
 
+class VerlLikeTeacher:
+    """A stand-in for verl's ``AsyncTeacherLLMServerManager`` backed by a real (tiny) model: the
+    output layout of verl's vLLM teacher (``extract_prompt_logprobs`` with ``prompt_logprobs=0``):
+    row i holds the log-prob of token i + 1 and its id, a dummy 0 row last."""
+
+    def __init__(self, model, shift=1):
+        self.model, self.shift, self.calls = model, shift, 0
+
+    async def compute_teacher_logprobs_single(self, sequence_ids, **_):
+        self.calls += 1
+        ids = torch.tensor(sequence_ids)[None]
+        with torch.no_grad():
+            lp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), -1)
+        nxt = ids[0, self.shift:]
+        rows = lp[: len(nxt)].gather(-1, nxt[:, None])
+        pad = len(sequence_ids) - len(nxt)
+        return (torch.cat([nxt[:, None], torch.zeros(pad, 1, dtype=torch.long)]).int(),
+                torch.cat([rows, torch.zeros(pad, 1)]))
+
+
+@pytest.mark.parametrize("method", ["oppo", "opd"])
+def test_teacher_oracle_through_verls_teacher_output_equals_the_core_teacher_pass(method):
+    """OPPO's teacher-oracle (the oracle prompt) and OPD with a teacher (the student's own prompt),
+    scored in the layout verl's distillation teacher returns, equal the core's teacher pass."""
+    from tokencredit.integrations.verl.oracle import response_logprobs, teacher_response_logprobs
+    from tokencredit.passes import PassInputs, PassModels, join_prompts_and_responses, oracle_texts, run_passes
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    policy, tok = tiny_model_and_tokenizer(seed=0)
+    teacher, _ = tiny_model_and_tokenizer(seed=1)
+    policy.eval(), teacher.eval()
+    raw = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Name a colour."}]]
+    rms = [{"ground_truth": "5"}, {"ground_truth": "red"}]
+    pipe = CreditPipeline(method, {method: {"oracle": "teacher"}})
+    plan = plan_signals(pipe, lora=False, teacher=True)
+    assert plan.oracle.scorer == "teacher" and (plan.oracle.prompt is None) == (method == "opd")
+    render = lambda c: tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)  # noqa: E731
+    own_ids = [tok(render(c), add_special_tokens=False)["input_ids"] for c in raw]
+    gen = torch.Generator().manual_seed(0)
+    lens = [5, 3]
+    responses = [torch.randint(3, 40, (n,), generator=gen) for n in lens]
+    fake = VerlLikeTeacher(teacher)
+    if method == "oppo":  # the trainer mode sends the oracle prompts to the teacher servers
+        got = teacher_response_logprobs(fake, oracle_prompt_ids(plan, tok, raw, rms), responses)
+        assert fake.calls == 2
+    else:  # verl's agent loop scored prompt + response; the trainer mode reads its output
+        import asyncio
+
+        outs = [asyncio.run(fake.compute_teacher_logprobs_single(p + r.tolist())) for p, r in zip(own_ids, responses)]
+        got = [response_logprobs(i, lp, len(p), r) for (i, lp), p, r in zip(outs, own_ids, responses)]
+
+    T = max(lens)
+    resp = torch.zeros(2, T, dtype=torch.long)
+    rmask = torch.zeros(2, T, dtype=torch.long)
+    for i, r in enumerate(responses):
+        resp[i, : len(r)], rmask[i, : len(r)] = r, 1
+    texts = oracle_texts(plan, raw, [c[-1]["content"] for c in raw], [r["ground_truth"] for r in rms], render)
+    own = join_prompts_and_responses(tok, [render(c) for c in raw], resp, rmask)
+    orc = join_prompts_and_responses(tok, texts, resp, rmask, prefix="oracle_")
+    inp = PassInputs(input_ids=own["input_ids"], attention_mask=own["attention_mask"], prompt_len=own["prompt_len"],
+                     response_ids=resp, response_mask=rmask, **orc)
+    core = run_passes(plan, PassModels(policy=policy, teacher=teacher), inp, temperature=1.0, micro_batch_size=2)["oracle_logprobs"]
+    self_core = run_passes(plan_signals(CreditPipeline(method), lora=False), PassModels(policy=policy), inp,
+                           temperature=1.0, micro_batch_size=2)["oracle_logprobs"]
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(got[i], core[i, :n].float(), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(got[i], self_core[i, :n].float(), atol=1e-3)  # the teacher, not the policy, scored
+    laid = tct._rows_to_width(got, [0, 2], 3, T + 1)
+    assert laid.shape == (3, T + 1) and torch.equal(laid[1], torch.zeros(T + 1)) and torch.equal(laid[2, :3], got[1])
+
+
+class FakeTransferQueue:
+    """What the trainer mode reads from TransferQueue (``kv_batch_get``): jagged tensors for
+    tensor fields, lists for the rest; one partition."""
+
+    def __init__(self, rows):
+        self.rows = rows  # key -> {field: value}
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        out = {}
+        for f in select_fields:
+            vals = [self.rows[k][f] for k in keys]
+            out[f] = torch.nested.nested_tensor(vals, layout=torch.jagged) if torch.is_tensor(vals[0]) else vals
+        return out
+
+
+@pytest.mark.parametrize("method", ["oppo", "opd"])
+def test_trainer_mode_teacher_oracle_pass_on_a_batch_with_a_padding_sample(method, monkeypatch):
+    """``_tc_oracle_pass`` with a teacher: the rows verl's TransferQueue holds (one of them a
+    synthetic padding sample), the teacher scores the real rows, laid out [B, width]."""
+    import asyncio
+    import sys
+    import types
+
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    _, tok = tiny_model_and_tokenizer(seed=0)
+    teacher, _ = tiny_model_and_tokenizer(seed=1)
+    teacher.eval()
+    fake = VerlLikeTeacher(teacher)
+    raw = [[{"role": "user", "content": "What is 2+3?"}], None, [{"role": "user", "content": "Name a colour."}]]
+    answers = ["5", None, "red"]
+    gen = torch.Generator().manual_seed(3)
+    rows = {}
+    for i, (conv, ans, n) in enumerate(zip(raw, answers, [4, 2, 6])):
+        prompt = tok(tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"] if conv else [1, 2]
+        resp = torch.randint(3, 40, (n,), generator=gen)
+        row = {"prompts": torch.tensor(prompt), "responses": resp, "response_mask": torch.ones(n, dtype=torch.int64),
+               "raw_prompt": conv, "reward_model": {"ground_truth": ans}}
+        if conv is not None:  # verl's agent loop scored prompt + response with the teacher (distillation.enabled)
+            ids, lp = asyncio.run(fake.compute_teacher_logprobs_single(prompt + resp.tolist()))
+            row.update(teacher_ids=ids, teacher_logprobs=lp)
+        else:  # verl's padding sample: eos ids, zero log-probs (padding_utils)
+            row.update(teacher_ids=torch.zeros(2 + n, 1, dtype=torch.int32), teacher_logprobs=torch.zeros(2 + n, 1))
+        rows[f"k{i}"] = row
+    monkeypatch.setitem(sys.modules, "transfer_queue", FakeTransferQueue(rows))
+    fake.calls = 0
+
+    cfg = compose_verl(_with(f"tc_{method}", f"+tokencredit.spec={method}", f"+tokencredit.{method}.oracle=teacher", *TEACHER))
+    tr = object.__new__(tct.TokenCreditPPOTrainerSync)
+    tr.config, tr.tokenizer, tr._tc_teacher = cfg, tok, fake
+    tr.tokencredit_credit, tr.tokencredit_plan = tct.trainer_plan(cfg, tct.check_trainer_config(cfg))
+    batch = types.SimpleNamespace(keys=["k0", "k1", "k2"], partition_id="train", extra_info={},
+                                  tags=[{}, {"is_padding": True}, {}])
+    lp = tr._tc_oracle_pass(batch, 7)
+    assert lp.shape == (3, 7) and torch.equal(lp[1], torch.zeros(7)) and torch.equal(lp[0, 4:], torch.zeros(3))
+    plan = tr.tokencredit_plan
+    for i in (0, 2):
+        r = rows[f"k{i}"]
+        if method == "oppo":
+            prompt = oracle_prompt_ids(plan, tok, [raw[i]], [r["reward_model"]])[0]
+            assert "5" in tok.decode(prompt) if i == 0 else "red" in tok.decode(prompt)
+        else:
+            prompt = r["prompts"].tolist()
+        ids = torch.tensor(prompt + r["responses"].tolist())[None]
+        with torch.no_grad():
+            want = torch.log_softmax(teacher(input_ids=ids).logits[0].float(), -1)
+        P, n = len(prompt), len(r["responses"])
+        want = want[P - 1 : P + n - 1].gather(-1, r["responses"][:, None]).squeeze(-1)
+        torch.testing.assert_close(lp[i, :n], want, rtol=1e-4, atol=1e-5)
+    # OPPO asks the teacher servers for the two real rows; OPD reads what verl's agent loop computed
+    assert fake.calls == (2 if method == "oppo" else 0)
+
+
+def test_teacher_output_that_does_not_line_up_is_an_error():
+    from tokencredit.integrations.verl.oracle import response_logprobs, teacher_response_logprobs
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    teacher, _ = tiny_model_and_tokenizer(seed=1)
+    prompt, resp = [5, 6, 7], torch.tensor([8, 9, 10, 11])
+    with pytest.raises(ValueError, match="teacher_ids of row 0: expected the response's tokens"):
+        teacher_response_logprobs(VerlLikeTeacher(teacher, shift=0), [prompt], [resp])  # an unshifted output
+    ids, lp = torch.tensor([6, 7, 8, 9, 10, 11, 0])[:, None], torch.zeros(7, 1)
+    assert response_logprobs(ids, lp, 3, resp).shape == (4,)
+    with pytest.raises(ValueError, match=r"expected 7 rows \(prompt 3 \+ response 4\), got 6"):
+        response_logprobs(ids[:6], lp[:6], 3, resp)
+    with pytest.raises(ValueError, match=r"expected \[7, 1\].*top-k"):
+        response_logprobs(ids.repeat(1, 4), lp.repeat(1, 4), 3, resp)
+
+
 # -- (4) the critic: loss, global normalisation, IS weights ----------------------------------
 
 
@@ -274,6 +434,17 @@ def test_gae_critic_loss_regresses_on_the_estimators_returns():
 # -- (5) the trainer mode's checks for the new methods ---------------------------------------
 
 
+#: verl's own on-policy-distillation teacher servers (what a teacher-scored oracle needs)
+TEACHER = (
+    "distillation.enabled=True",
+    "distillation.n_gpus_per_node=1",
+    "distillation.nnodes=1",
+    "distillation.teacher_models.teacher_model.model_path=Qwen/Qwen2.5-1.5B-Instruct",
+    "distillation.distillation_loss.loss_mode=k1",
+    "distillation.distillation_loss.use_policy_gradient=True",
+)
+
+
 def _with(adv, *extra):
     return [o for o in TRAINER_OVERRIDES if not o.startswith("algorithm.adv_estimator")] + [f"algorithm.adv_estimator={adv}", *extra]
 
@@ -284,6 +455,8 @@ def test_trainer_config_for_every_seed_method():
         "stare": _with("tc_grpo", "+tokencredit.spec=grpo+stare", "+tokencredit.stare.adaptive=True"),
         "oppo": _with("tc_oppo", "+tokencredit.spec=oppo"),
         "opd": _with("tc_opd", "+tokencredit.spec=opd"),
+        "oppo_teacher": _with("tc_oppo", "+tokencredit.spec=oppo", "+tokencredit.oppo.oracle=teacher", *TEACHER),
+        "opd_teacher": _with("tc_opd", "+tokencredit.spec=opd", "+tokencredit.opd.oracle=teacher", *TEACHER),
         "pact": _with("tc_pact", "+tokencredit.spec=pact", "critic.enable=True"),
         "gae": _with("tc_gae", "+tokencredit.spec=gae", "critic.enable=True"),
     }
@@ -292,14 +465,22 @@ def test_trainer_config_for_every_seed_method():
         cfg = compose_verl(overrides)
         settings = tct.check_trainer_config(cfg)
         passes[name] = tct.trainer_plan(cfg, settings)[1].passes
-    assert passes["oppo"] == passes["opd"] == ("policy", "oracle")
+    assert passes["oppo"] == passes["opd"] == passes["oppo_teacher"] == passes["opd_teacher"] == ("policy", "oracle")
+    plans = {n: tct.trainer_plan(compose_verl(ok[n]), tct.check_trainer_config(compose_verl(ok[n])))[1] for n in ("oppo", "oppo_teacher", "opd_teacher")}
+    assert plans["oppo"].oracle.scorer == "policy" and plans["oppo_teacher"].oracle.scorer == "teacher"
+    assert plans["oppo_teacher"].oracle.prompt is not None and plans["opd_teacher"].oracle.prompt is None
     assert passes["pact"] == passes["gae"] == ("policy", "critic")
 
     bad = [
         (_with("tc_pact", "+tokencredit.spec=pact"), "critic.enable=True"),
         (_with("tc_pact", "+tokencredit.spec=pact", "critic.enable=True", "algorithm.use_kl_in_reward=True"), "use_kl_in_reward=False"),
         (_with("tc_pact", "+tokencredit.spec=pact", "critic.enable=True", "trainer.critic_warmup=2"), "critic_warmup=0"),
-        (_with("tc_opd", "+tokencredit.spec=opd", "+tokencredit.opd.oracle=teacher"), "teacher-scored oracle is not supported"),
+        (_with("tc_opd", "+tokencredit.spec=opd", "+tokencredit.opd.oracle=teacher"), "expected distillation.enabled=True"),
+        (_with("tc_oppo", "+tokencredit.spec=oppo", *TEACHER), "no teacher-scored pass"),
+        (_with("tc_oppo", "+tokencredit.spec=oppo", "+tokencredit.oppo.oracle=teacher", *TEACHER,
+               "actor_rollout_ref.rollout.temperature=0.7"), "expected 1.0 with a teacher-scored oracle, got 0.7"),
+        (_with("tc_oppo", "+tokencredit.spec=oppo", "+tokencredit.oppo.oracle=teacher", *TEACHER,
+               "distillation.distillation_loss.loss_mode=forward_kl_topk"), "non-top-k mode"),
         (_with("grpo", "+tokencredit.spec=gtpo"), "adv_estimator=tc_gtpo"),
         (_with("tc_grpo", "+tokencredit.spec=grpo+acpo"), "mode_prob"),
     ]
@@ -367,6 +548,7 @@ EXAMPLES = [
     ("estimators.sh", {"METHOD": "grpo"}), ("estimators.sh", {"METHOD": "dr_grpo"}),
     ("intrinsic.sh", {"SALIENCE": "entropy"}), ("taco.sh", {}), ("stare.sh", {"ADAPTIVE": "True"}),
     ("gtpo.sh", {}), ("oracle.sh", {"METHOD": "oppo"}), ("oracle.sh", {"METHOD": "opd"}),
+    ("oracle.sh", {"METHOD": "oppo", "ORACLE": "teacher"}), ("oracle.sh", {"METHOD": "opd", "ORACLE": "teacher"}),
     ("critic.sh", {"METHOD": "pact"}), ("critic.sh", {"METHOD": "gae"}),
     ("worker.sh", {"METHOD": "acpo"}), ("worker.sh", {"METHOD": "arca"}),
 ]
@@ -397,5 +579,7 @@ def test_launch_examples_dry_run_pass_verls_config_and_the_trainer_checks(script
     omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     if need_critic(cfg):
         omega_conf_to_dataclass(cfg.critic)
+    if cfg.distillation.enabled:  # verl's own checks of the teacher pool and loss settings
+        omega_conf_to_dataclass(cfg.distillation)
     if cfg.trainer.v1.trainer_mode == "tokencredit_sync":
         tct.check_trainer_config(cfg)

@@ -10,6 +10,9 @@
 # tests/test_verl_methods.py.
 #
 #   METHODS="gtpo pact" bash examples/verl/smoke.sh     # a subset
+#
+# oppo and opd run with the self-oracle here: the teacher-oracle needs verl's distillation teacher
+# servers in a GPU pool of their own (a second GPU); see `ORACLE=teacher bash oracle.sh`.
 set -euo pipefail
 
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}

@@ -261,7 +261,7 @@ def critic_spec(settings: VerlCreditSettings) -> Optional[CriticSpec]:
     try:
         return plan_signals(pipe, lora=False).critic
     except PlanError:
-        # a teacher-scored oracle: refused by the trainer mode with a verl-specific message
+        # a teacher-scored oracle (no teacher is given here): the critic does not depend on it
         return next((m.critic(pipe.configs[m.name]) for m in pipe.methods if m.critic is not None and "values" in m.requires), None)
 
 

@@ -16,6 +16,12 @@ as verl's agent loop does) and tokenised without special tokens. Each oracle sam
 per-sample layout (``prompts``, ``responses``, ``input_ids = prompts + responses``,
 ``attention_mask``, ``position_ids``, ``response_mask``, ``loss_mask``), so the actor's
 ``compute_log_prob`` scores it like any rollout sample.
+
+A **teacher-scored** oracle (``oracle=teacher``: OPPO's teacher-oracle, OPD with a teacher) is
+scored by verl's own on-policy-distillation teacher servers (``distillation.teacher_models``,
+vLLM): :func:`teacher_response_logprobs` sends each oracle prompt + response through verl's
+``AsyncTeacherLLMServerManager.compute_teacher_logprobs_single`` and reads the response's tokens
+out of the prompt log-probs it returns (:func:`response_logprobs`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,15 @@ import torch
 from ...passes import oracle_texts
 from ...plan import SignalPlan
 
-__all__ = ["ANSWER_FIELD", "question_of", "answer_of", "oracle_prompt_ids", "oracle_samples"]
+__all__ = [
+    "ANSWER_FIELD",
+    "question_of",
+    "answer_of",
+    "oracle_prompt_ids",
+    "oracle_samples",
+    "response_logprobs",
+    "teacher_response_logprobs",
+]
 
 #: where verl's data preprocessing puts the reference answer
 ANSWER_FIELD = ("reward_model", "ground_truth")
@@ -117,3 +131,63 @@ def oracle_samples(
             }
         )
     return out
+
+
+def response_logprobs(teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, prompt_len: int, response: torch.Tensor,
+                      *, row: int = 0) -> torch.Tensor:
+    """The teacher's log-probs of ``response``'s tokens, out of verl's teacher output for the whole
+    sequence (prompt + response).
+
+    verl's vLLM teacher returns, for a sequence of S tokens, S rows ``[S, K]`` shifted by one:
+    row i holds the log-prob of token i + 1 (vLLM's first, empty prompt log-prob is dropped and a
+    dummy 0 appended), and ``teacher_ids`` the token it scored. So response token j (sequence index
+    P + j) is row P + j - 1. The ids are checked against the response: a shifted or truncated
+    output is an error, not a silent misalignment. K must be 1 (the sampled token's log-prob: a
+    non-top-k ``distillation.distillation_loss.loss_mode``)."""
+    resp = torch.as_tensor(response).reshape(-1).to(torch.int64)
+    ids = torch.as_tensor(teacher_ids)
+    lp = torch.as_tensor(teacher_logprobs)
+    if lp.dim() == 1:
+        lp, ids = lp[:, None], ids.reshape(-1)[:, None]
+    S, R = prompt_len + resp.shape[0], resp.shape[0]
+    if lp.dim() != 2 or lp.shape[1] != 1 or tuple(ids.shape) != tuple(lp.shape):
+        raise ValueError(
+            f"teacher_logprobs of row {row}: expected [{S}, 1] (the sampled token's log-prob; a top-k distillation "
+            f"loss_mode returns [S, k]) with matching teacher_ids, got {tuple(lp.shape)} and {tuple(ids.shape)}"
+        )
+    if lp.shape[0] != S:
+        raise ValueError(f"teacher_logprobs of row {row}: expected {S} rows (prompt {prompt_len} + response {R}), got {lp.shape[0]}")
+    got = ids[prompt_len - 1 : S - 1, 0].to(torch.int64)
+    if not torch.equal(got, resp):
+        bad = int((got != resp).nonzero()[0, 0])
+        raise ValueError(
+            f"teacher_ids of row {row}: expected the response's tokens at rows {prompt_len - 1}..{S - 2}; response "
+            f"token {bad} is {int(resp[bad])}, the teacher scored {int(got[bad])}"
+        )
+    return lp[prompt_len - 1 : S - 1, 0].float()
+
+
+def teacher_response_logprobs(manager, prompt_ids: Sequence[Sequence[int]], responses: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The teacher's log-probs of each response after its prompt, one request per row, concurrent.
+
+    ``manager``: verl's ``AsyncTeacherLLMServerManager`` (or anything with its
+    ``async compute_teacher_logprobs_single(sequence_ids=...) -> (ids [S, K], logprobs [S, K])``)."""
+    import asyncio
+
+    if len(prompt_ids) != len(responses):
+        raise ValueError(f"responses: expected one per prompt ({len(prompt_ids)}), got {len(responses)}")
+    seqs = [list(map(int, p)) + torch.as_tensor(r).reshape(-1).tolist() for p, r in zip(prompt_ids, responses)]
+
+    async def score():
+        return await asyncio.gather(*(manager.compute_teacher_logprobs_single(sequence_ids=s) for s in seqs))
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        outs = asyncio.run(score())
+    else:  # called from a running loop's thread: run it in its own thread
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            outs = pool.submit(asyncio.run, score()).result()
+    return [response_logprobs(ids, lp, len(p), r, row=i) for i, ((ids, lp), p, r) in enumerate(zip(outs, prompt_ids, responses))]

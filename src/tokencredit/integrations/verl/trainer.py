@@ -20,7 +20,10 @@ method names:
   updated W and M. Saved as ``global_step_N/tokencredit_state.json`` and restored on resume.
 * **oracle pass** (OPPO, OPD): the oracle-prompted inputs are built on the driver
   (:mod:`.oracle`), written to TransferQueue partition ``tokencredit_oracle`` and scored by the
-  actor's ``compute_log_prob`` (self-oracle); the estimator gets the oracle log-probs.
+  actor's ``compute_log_prob`` (self-oracle), or sent to verl's on-policy-distillation teacher
+  servers (``oracle=teacher``, ``distillation.enabled=True``; a teacher on the student's own
+  prompt reads the log-probs verl's agent loop already computed); the estimator gets the oracle
+  log-probs.
 * **worker signals** (ACPO's ``mode_prob``, ARCA's ``hidden_residual``): the actor update asks
   tokencredit's actor engine (:mod:`.engine`, selected by ``actor_rollout_ref.model.model_type``)
   for them through the batch's ``extra_info`` (one non-tensor key each, removed after the update);
@@ -65,7 +68,7 @@ from .core import (
     tokencredit_ppo_loss,
     tokencredit_value_loss,
 )
-from .oracle import oracle_prompt_ids, oracle_samples
+from .oracle import oracle_prompt_ids, oracle_samples, response_logprobs, teacher_response_logprobs
 
 __all__ = [
     "TokenCreditPPOTrainerSync",
@@ -92,6 +95,12 @@ def _uses_lora(config: DictConfig) -> bool:
     return rank > 0 or model.get("lora_adapter_path") is not None
 
 
+def _teacher_servers(config: DictConfig) -> bool:
+    """Whether verl's on-policy-distillation teacher servers are configured (``distillation.enabled``)."""
+    d = config.get("distillation", None)
+    return d is not None and bool(d.get("enabled", False))
+
+
 def trainer_plan(config: DictConfig, settings: VerlCreditSettings) -> Tuple[CreditPipeline, SignalPlan]:
     """The spec's pipeline (the driver's copy, which holds its state) and its plan of passes."""
     pipe = CreditPipeline(settings.spec, {k: dict(v) for k, v in settings.configs.items()})
@@ -103,15 +112,48 @@ def trainer_plan(config: DictConfig, settings: VerlCreditSettings) -> Tuple[Cred
             f"tokencredit.spec '{settings.spec}': {adapter_readers} read the LoRA adapter's effect; expected a LoRA actor "
             f"(actor_rollout_ref.model.lora_rank > 0), got none"
         )
+    teacher = _teacher_servers(config)
     try:
-        plan = plan_signals(pipe, lora=lora, teacher=False)
-    except PlanError as e:
+        plan = plan_signals(pipe, lora=lora, teacher=teacher)
+    except PlanError:
+        if teacher:
+            raise ValueError(
+                f"distillation.enabled: tokencredit.spec '{settings.spec}' has no teacher-scored pass, and the trainer mode "
+                f"replaces verl's actor loss (verl's distillation loss would not run); expected distillation.enabled=False, "
+                f"or the method's oracle=teacher (e.g. +tokencredit.{pipe.estimator.name}.oracle=teacher), got True"
+            ) from None
         raise ValueError(
-            f"tokencredit.spec '{settings.spec}' in verl: {e}. In verl a teacher-scored oracle is not supported: "
-            f"verl 0.9's reference worker always loads actor_rollout_ref.model, so no worker holds a teacher; use "
-            f"the self-oracle (the method's oracle='self', the default)"
+            f"distillation.enabled: tokencredit.spec '{settings.spec}' has {pipe.estimator.name}.oracle='teacher', scored "
+            f"by verl's distillation teacher servers; expected distillation.enabled=True with "
+            f"distillation.teacher_models.teacher_model.model_path, distillation.n_gpus_per_node and distillation.nnodes, "
+            f"got False"
         ) from None
     return pipe, plan
+
+
+def check_teacher_config(config: DictConfig, spec: str) -> None:
+    """What a teacher-scored oracle needs of verl's distillation section and rollout."""
+    from verl.trainer.distillation.losses import get_distillation_loss_settings
+
+    d = config.distillation
+    teachers = list(d.get("teacher_models", {}).keys())
+    if len(teachers) != 1:
+        raise ValueError(
+            f"distillation.teacher_models: tokencredit.spec '{spec}' scores its oracle with one teacher; expected one "
+            f"entry, got {teachers}"
+        )
+    mode = d.distillation_loss.get("loss_mode", "k3")
+    if get_distillation_loss_settings(mode).use_topk:
+        raise ValueError(
+            f"distillation.distillation_loss.loss_mode: the teacher must return the sampled token's log-prob; expected a "
+            f"non-top-k mode (e.g. k1 or k3), got {mode}"
+        )
+    temp = float(config.actor_rollout_ref.rollout.get("temperature", 1.0))
+    if temp != 1.0:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.temperature: verl's teacher servers score at temperature 1.0 and tokencredit "
+            f"scores an oracle at the rollout temperature; expected 1.0 with a teacher-scored oracle, got {temp}"
+        )
 
 
 def worker_signals(plan: SignalPlan) -> Tuple[str, ...]:
@@ -225,9 +267,12 @@ def check_trainer_config(config: DictConfig) -> VerlCreditSettings:
             f"tokencredit.spec '{settings.spec}' needs the old-log-prob pass's entropy, which rollout_correction."
             f"bypass_mode=True skips"
         )
-    distillation = config.get("distillation", None)
-    if distillation is not None and distillation.get("enabled", False):
-        raise ValueError(f"trainer.v1.trainer_mode={TRAINER_MODE} does not combine with distillation (it replaces the actor loss)")
+    if plan.oracle is not None and plan.oracle.scorer == "teacher":
+        check_teacher_config(config, settings.spec)
+        log.warning(
+            "tokencredit: spec '%s' scores its oracle with verl's distillation teacher; the trainer mode's loss replaces "
+            "verl's distillation loss (distillation.distillation_loss is not applied)", settings.spec,
+        )
     return settings
 
 
@@ -280,6 +325,17 @@ def load_credit_state(folder: str, credit: CreditPipeline) -> bool:
 
 def _padded(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
     return x.to_padded_tensor(value) if getattr(x, "is_nested", False) else x
+
+
+def _rows_to_width(rows, real, batch_size: int, width: int) -> torch.Tensor:
+    """Per-row response log-probs laid out right-padded as [batch_size, width]; rows not in
+    ``real`` (verl's synthetic padding samples) are 0."""
+    out = torch.zeros(batch_size, width)
+    for r, i in zip(rows, real):
+        if r.shape[0] > width:
+            raise ValueError(f"oracle log-probs of row {i}: expected at most {width} response tokens, got {r.shape[0]}")
+        out[i, : r.shape[0]] = r
+    return out
 
 
 # -- the trainer mode -----------------------------------------------------------------------
@@ -355,22 +411,52 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
             return super()._compute_advantage(batch, metrics)
 
     def _tc_oracle_pass(self, batch, width: int) -> torch.Tensor:
-        """The actor's log-probs of each response after its oracle prompt, [B, width]."""
+        """The oracle's log-probs of each response after its oracle prompt, [B, width]: the actor
+        (self-oracle) through ``compute_log_prob``, or verl's distillation teacher servers."""
+        import transfer_queue as tq
+
+        oracle = self.tokencredit_plan.oracle
+        keys = list(batch.keys)
+        base = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["prompts", "responses", "response_mask"])
+        prompts, responses = list(base["prompts"].unbind()), list(base["responses"].unbind())
+        # synthetic padding samples (verl's v1 trainer) have no raw prompt; their log-probs stay 0 (mask 0)
+        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)] if batch.tags else list(range(len(keys)))
+        real_keys = [keys[i] for i in real]
+        if oracle.prompt is None:
+            # a teacher on the student's own prompt: verl's agent loop already scored prompt + response
+            got = tq.kv_batch_get(keys=real_keys, partition_id=batch.partition_id, select_fields=["teacher_ids", "teacher_logprobs"])
+            rows = [
+                response_logprobs(t_ids, t_lp, len(prompts[i]), responses[i], row=i)
+                for t_ids, t_lp, i in zip(got["teacher_ids"].unbind(), got["teacher_logprobs"].unbind(), real)
+            ]
+            return _rows_to_width(rows, real, len(keys), width)
+        info = tq.kv_batch_get(keys=real_keys, partition_id=batch.partition_id, select_fields=["raw_prompt", "reward_model"])
+        kw = self.config.data.get("apply_chat_template_kwargs", None) or {}
+        ids = oracle_prompt_ids(self.tokencredit_plan, self.tokenizer, list(info["raw_prompt"]), list(info["reward_model"]),
+                                chat_template_kwargs=dict(kw))
+        if oracle.scorer == "teacher":
+            rows = teacher_response_logprobs(self._tc_teacher_manager(), ids, [responses[i] for i in real])
+            return _rows_to_width(rows, real, len(keys), width)
+        return self._tc_actor_oracle_pass(batch, keys, real, ids, prompts, responses, base["response_mask"].unbind(), width)
+
+    def _tc_teacher_manager(self):
+        """verl's client of its distillation teacher servers (built once)."""
+        if getattr(self, "_tc_teacher", None) is None:
+            from verl.experimental.teacher_loop.teacher_manager import AsyncTeacherLLMServerManager
+
+            self._tc_teacher = AsyncTeacherLLMServerManager(config=self.config, teacher_client=self.get_teacher_client())
+        return self._tc_teacher
+
+    def _tc_actor_oracle_pass(self, batch, keys, real, ids, prompts, responses, masks, width: int) -> torch.Tensor:
+        """The actor's ``compute_log_prob`` on the oracle samples, through TransferQueue."""
         import transfer_queue as tq
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
         from verl.workers.utils.padding import response_from_nested
 
-        keys = list(batch.keys)
-        base = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["prompts", "responses", "response_mask"])
-        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)] if batch.tags else list(range(len(keys)))
-        info = tq.kv_batch_get(keys=[keys[i] for i in real], partition_id=batch.partition_id, select_fields=["raw_prompt", "reward_model"])
-        kw = self.config.data.get("apply_chat_template_kwargs", None) or {}
-        ids = oracle_prompt_ids(self.tokencredit_plan, self.tokenizer, list(info["raw_prompt"]), list(info["reward_model"]),
-                                chat_template_kwargs=dict(kw))
-        prompt_ids = [p.tolist() for p in base["prompts"].unbind()]  # padding rows keep their own prompt (never read)
+        prompt_ids = [p.tolist() for p in prompts]  # padding rows keep their own prompt (never read)
         for j, i in enumerate(real):
             prompt_ids[i] = ids[j]
-        samples = oracle_samples(prompt_ids, base["responses"].unbind(), base["response_mask"].unbind())
+        samples = oracle_samples(prompt_ids, responses, masks)
         okeys = [f"{k}_oracle" for k in keys]
         tags = [{"seq_len": int(s["input_ids"].shape[0]), "prompt_len": int(s["prompts"].shape[0]),
                  "response_len": int(s["responses"].shape[0])} for s in samples]
