@@ -341,6 +341,74 @@ def test_cli_scores_a_file_as_json_with_a_figure_and_refuses_a_rollouts_file(tmp
         main(["fidelity", str(tmp_path / "r.pt")])
 
 
+def hand_estimates():
+    """Two responses of 4 tokens (stride 1, M = 2) with chosen V: the success gains its credit on
+    token 1 (a TACO tail token), the failure loses it on its last token (its last line)."""
+    V = torch.tensor([[0.5, 0.5, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5]])  # then R = 1, 0: c = [0, .5, 0, 0], [0, 0, 0, -.5]
+    samples = torch.stack([V, V], -1)
+    samples[V == 0.5] = torch.tensor([0.0, 1.0])
+    logp = torch.full((2, 4), -0.1)
+    logp[0, 1] = -10.0  # surprisal 10 > H 0.5 + log 100: a tail token
+    logp[1, 3] = -10.0  # (the failure's: TACO counts successful responses only)
+    saved = {
+        "credit": "grpo",
+        "signals": {"response_mask": torch.ones(2, 4, dtype=torch.long), "rewards": torch.tensor([1.0, 0.0]),
+                    "group_ids": torch.zeros(2, dtype=torch.long), "old_logprobs": logp, "logprobs": logp,
+                    "entropy": torch.full((2, 4), 0.5)},
+        "tokens": [["a", "\n", "b", "c"], ["x", "y", "\n", "z"]],
+        "response_ids": torch.ones(2, 4, dtype=torch.long),
+        "questions": ["q", "q"],
+        "prompt_ids": torch.full((2, 1), 9, dtype=torch.long),
+        "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+    }
+    return {"rollouts": saved, "settings": {"stride": 1, "M": 2, "temperature": 1.0}, "samples": samples}
+
+
+def test_claims_hand_case():
+    from tokencredit.fidelity import claims, format_claims
+
+    cl = claims(hand_estimates(), ("grpo",))
+    assert (cl["trajectories"], cl["successful"]) == (2, 1)
+    sp = cl["sparsity"]
+    assert (sp["largest_span_share"], sp["first_span_share"], sp["last_span_share"]) == (1.0, 0.0, 0.5)
+    assert (sp["share_abs_c_above_2delta"], sp["share_c_below_minus_delta"]) == (0.25, 0.125)
+    assert cl["start_value"] == {"all": 0.5, "successes": 0.5, "failures": 0.5}
+    assert cl["last_span_c"] == {"successes": 0.0, "failures": -0.5}
+    assert cl["largest_span_line"] == {"line 1": 1, "last line": 1}
+    tt = cl["taco_tail"]
+    assert (tt["tail_tokens"], tt["tokens"]) == (1, 4)
+    assert tt["spans_with_tail"] == {"n": 1, "mean_c": 0.5, "share_below_minus_delta": 0.0, "share_above_delta": 1.0}
+    assert tt["spans_without_tail"]["n"] == 3 and tt["spans_without_tail"]["mean_c"] == 0.0
+    # the riskiest 5%: r = 10 - 0.5 + log 0.01 on token 1, 0.1 - 0.5 + log 0.01 elsewhere; linear quantile
+    lo, hi = 0.1 - 0.5 + math.log(0.01), 10 - 0.5 + math.log(0.01)
+    assert tt["riskiest_5pct_threshold"] == pytest.approx(lo + 0.85 * (hi - lo))
+    assert tt["spans_with_riskiest"]["n"] == 1 and tt["spans_with_riskiest"]["mean_c"] == 0.5
+    # GRPO: the same |A| on every token, so a quarter of it on any one of 4 spans
+    assert cl["placement"] == {"grpo": {"n": 2, "on_largest_c_span": 0.25, "on_last_span": 0.25}}
+    # surprisal weights pile each response's credit on its surprising token: the success's token 1
+    # and the failure's last token, both the largest-c span
+    su = claims(hand_estimates(), ("grpo+surprisal",))["placement"]["grpo+surprisal"]
+    assert su["n"] == 2 and su["on_largest_c_span"] > 0.5 and 0.25 < su["on_last_span"] < su["on_largest_c_span"]
+    text = format_claims(cl)
+    assert "TACO tail tokens (alpha 0.01) in successful responses: 1 of 4" in text and "grpo" in text
+
+
+def test_cli_prints_the_claims(tmp_path, capsys):
+    import json
+
+    from tokencredit.cli import main
+
+    torch.save(hand_estimates(), tmp_path / "h.pt")  # a plain dict: load_estimates checks the format first
+    with pytest.raises(SystemExit):
+        main(["fidelity", str(tmp_path / "h.pt"), "--claims"])
+    world = TabularWorld(eos=True, seed=0)
+    build_world(tmp_path, world, 4)
+    assert main(["fidelity", str(tmp_path / "est.pt"), "--json", "--claims", "--n-boot", "20", "--methods", "grpo,rloo"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["claims"]["placement"]) == {"grpo", "rloo"} and res["claims"]["trajectories"] == res["trajectories"]
+    assert res["claims"]["taco_tail"] is None  # the world batch has no log-probs or entropy
+
+
 # the chain task itself (answers, the worked-example turn, its reward) is tested in tests/test_tasks.py
 
 

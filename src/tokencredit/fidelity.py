@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = [
+    "CLAIM_SPECS",
     "FORMAT",
     "FidelityConfig",
     "FidelityError",
@@ -52,7 +53,9 @@ __all__ = [
     "batch_fingerprint",
     "build_estimates",
     "check_policy",
+    "claims",
     "credit_spans",
+    "format_claims",
     "load_estimates",
     "main",
     "sample_continuations",
@@ -662,6 +665,172 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
 
 
 # ---------------------------------------------------------------------------------------
+# the papers' token-level claims
+
+
+#: the methods whose |A| placement :func:`claims` reports (when the batch can replay them)
+CLAIM_SPECS = ("grpo", "oppo", "grpo+taco", "grpo+stare", "grpo+acpo", "grpo+arca", "pact",
+               "grpo+entropy", "grpo+surprisal", "grpo+divergence")
+
+
+def _line_of(tokens: Sequence[str], length: int, p: int) -> str:
+    """Which line of the response the span starting at token ``p`` opens in ("line k", or "last
+    line"): a task-agnostic location (on ``chain``: step 1, step 2, the answer line)."""
+    n = "".join(tokens[:length]).rstrip("\n").count("\n") + 1
+    k = min("".join(tokens[:p]).count("\n") + 1, n)
+    return "last line" if k == n else f"line {k}"
+
+
+def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_args: Sequence[str] = (),
+           cfg: FidelityConfig = FidelityConfig()) -> Dict[str, Any]:
+    """The numbers behind docs/fidelity.md's answers to the papers' token-level claims, over the
+    complete trajectories of ``est`` (JSON-able):
+
+    * ``sparsity`` (PACT): per response, the share of ``sum |c|`` on its largest / first / last span;
+      the share of spans with ``|c| > 2 delta`` and with ``c < -delta``;
+    * ``noise``: mean |c| per span against the standard error of V and of one span's c;
+    * ``start_value``: V(h_0) of successful and failed responses (credit owed to the question);
+    * ``last_span_c``: the mean true credit of the last span (answer line, end token);
+    * ``largest_span_line``: in which line of the response the largest-|c| span opens;
+    * ``taco_tail`` (TACO): tail tokens (TACO's tail risk at its default alpha, on the batch's
+      log-probs and entropy; None without them) in successful responses, and the true credit of
+      spans with and without one; the same for the riskiest 5% of those tokens (TACO's premise
+      without its threshold);
+    * ``placement``: per method, the share of its |A| on the span of largest |c| and on the last
+      span (where the method puts its credit, against where c is).
+    """
+    from .inspector import replay
+    from .methods.taco import TACOConfig, tail_risk
+
+    saved = est["rollouts"]
+    sig = saved["signals"]
+    lengths = _lengths(saved)
+    stride = int(est["settings"]["stride"])
+    done = complete_rows(est)
+    rows = [b for b in range(len(lengths)) if done[b] and lengths[b] > 0]
+    if not rows:
+        raise FidelityError("ESTIMATES: no complete trajectory to score")
+    R = torch.as_tensor(sig["rewards"]).double()
+    win = {b: bool(R[b] >= 1.0 - 1e-6) for b in rows}
+    V = span_values(est)
+    c = {b: credit_spans(V[b]) for b in rows}
+    mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")  # noqa: E731
+
+    shares = {"largest": [], "first": [], "last": []}
+    for b in rows:
+        a = c[b].abs()
+        tot = float(a.sum())
+        if tot > 0:
+            shares["largest"].append(float(a.max()) / tot)
+            shares["first"].append(float(a[0]) / tot)
+            shares["last"].append(float(a[-1]) / tot)
+    cs = torch.cat([c[b] for b in rows])
+    se = torch.cat([standard_errors(est)[b] for b in rows])
+    lines: Dict[str, int] = {}
+    for b in rows:
+        where = _line_of(saved["tokens"][b], lengths[b], mc_positions(lengths[b], stride)[int(c[b].abs().argmax())])
+        lines[where] = lines.get(where, 0) + 1
+
+    alpha = TACOConfig().alpha
+    taco_tail = None
+    if sig.get("logprobs") is not None and sig.get("entropy") is not None:  # what TACO reads
+        lp, H = torch.as_tensor(sig["logprobs"]).double(), torch.as_tensor(sig["entropy"]).double()
+        risk = {b: tail_risk(lp[b, : lengths[b]], H[b, : lengths[b]], alpha) for b in rows if win[b]}
+        # TACO's premise without its threshold: the riskiest tokens (top 5% of r_t) of successful responses
+        top = float(torch.quantile(torch.cat(list(risk.values())), 0.95)) if risk else float("nan")
+
+        def split(flagged):
+            has, hasnt = [], []
+            for b, r in risk.items():
+                for j, p in enumerate(mc_positions(lengths[b], stride)):
+                    (has if bool(flagged(r[p: p + stride]).any()) else hasnt).append(float(c[b][j]))
+            return has, hasnt
+
+        def spans(xs):
+            return {"n": len(xs), "mean_c": mean(xs), "share_below_minus_delta": mean([float(x < -cfg.delta) for x in xs]),
+                    "share_above_delta": mean([float(x > cfg.delta) for x in xs])}
+
+        with_tail, without = split(lambda r: r > 0)
+        with_top, without_top = split(lambda r: r >= top)
+        taco_tail = {"alpha": alpha, "tail_tokens": int(sum(int((r > 0).sum()) for r in risk.values())),
+                     "tokens": int(sum(lengths[b] for b in risk)),
+                     "spans_with_tail": spans(with_tail), "spans_without_tail": spans(without),
+                     "riskiest_5pct_threshold": top,
+                     "spans_with_riskiest": spans(with_top), "spans_without_riskiest": spans(without_top)}
+
+    placement = {}
+    for v in replay(saved, list(specs), credit_args=credit_args).views:
+        if v.spec in placement:
+            continue
+        top, last = [], []
+        for b in rows:
+            a = span_sums(v.advantages[b], lengths[b], stride).abs()
+            if float(a.sum()) == 0:  # a group without a learning signal (GRPO-family A = 0)
+                continue
+            top.append(float(a[int(c[b].abs().argmax())] / a.sum()))
+            last.append(float(a[-1] / a.sum()))
+        placement[v.spec] = {"n": len(top), "on_largest_c_span": mean(top), "on_last_span": mean(last)}
+
+    return {
+        "trajectories": len(rows),
+        "successful": sum(win.values()),
+        "stride": stride,
+        "delta": cfg.delta,
+        "sparsity": {"spans_per_response": mean([c[b].numel() for b in rows]),
+                     "largest_span_share": mean(shares["largest"]), "first_span_share": mean(shares["first"]),
+                     "last_span_share": mean(shares["last"]),
+                     "share_abs_c_above_2delta": float((cs.abs() > 2 * cfg.delta).double().mean()),
+                     "share_c_below_minus_delta": float((cs < -cfg.delta).double().mean())},
+        "noise": {"mean_abs_c": float(cs.abs().mean()), "mean_se_v": float(se.mean()),
+                  "se_span_c": math.sqrt(2) * float(se.mean())},
+        "start_value": {"all": mean([float(V[b][0]) for b in rows]),
+                        "successes": mean([float(V[b][0]) for b in rows if win[b]]),
+                        "failures": mean([float(V[b][0]) for b in rows if not win[b]])},
+        "last_span_c": {"successes": mean([float(c[b][-1]) for b in rows if win[b]]),
+                        "failures": mean([float(c[b][-1]) for b in rows if not win[b]])},
+        "largest_span_line": dict(sorted(lines.items(), key=lambda kv: (kv[0] == "last line", kv[0]))),
+        "taco_tail": taco_tail,
+        "placement": placement,
+    }
+
+
+def format_claims(cl: Dict[str, Any]) -> str:
+    sp, no, sv, tt = cl["sparsity"], cl["noise"], cl["start_value"], cl["taco_tail"]
+    d, unit = cl["delta"], ("token" if cl["stride"] == 1 else "span")
+    out = [
+        f"numbers behind the claims ({cl['trajectories']} complete trajectories, {cl['successful']} successful; credit per {unit})",
+        f"  sparsity: {sp['spans_per_response']:.1f} {unit}s per response; share of sum |c| on the largest {sp['largest_span_share']:.2f}, "
+        f"first {sp['first_span_share']:.2f}, last {sp['last_span_share']:.2f}; {unit}s with |c| > {2 * d:g}: {sp['share_abs_c_above_2delta']:.2f}, "
+        f"with c < -{d:g}: {sp['share_c_below_minus_delta']:.2f}",
+        f"  noise: mean |c| {no['mean_abs_c']:.3f}; mean SE of V {no['mean_se_v']:.3f} (SE of one {unit}'s c ~ {no['se_span_c']:.3f})",
+        f"  V(h_0): all {sv['all']:.2f}, successes {sv['successes']:.2f}, failures {sv['failures']:.2f}",
+        f"  last {unit}'s c: successes {cl['last_span_c']['successes']:.3f}, failures {cl['last_span_c']['failures']:.3f}",
+        "  largest-|c| " + unit + " opens in: " + ", ".join(f"{k} {n}" for k, n in cl["largest_span_line"].items()),
+    ]
+    if tt is None:
+        out.append("  TACO tail tokens: not counted (the batch has no log-probs and entropy)")
+    else:
+        w, wo = tt["spans_with_tail"], tt["spans_without_tail"]
+        out.append(
+            f"  TACO tail tokens (alpha {tt['alpha']:g}) in successful responses: {tt['tail_tokens']} of {tt['tokens']}; "
+            f"{unit}s with one: n {w['n']}, mean c {w['mean_c']:.3f}, share c < -{d:g} {w['share_below_minus_delta']:.2f}; "
+            f"without: n {wo['n']}, mean c {wo['mean_c']:.3f}, share c < -{d:g} {wo['share_below_minus_delta']:.2f}")
+        w, wo = tt["spans_with_riskiest"], tt["spans_without_riskiest"]
+        out.append(
+            f"  riskiest 5% of their tokens (tail risk r >= {tt['riskiest_5pct_threshold']:.2f}): {unit}s with one: n {w['n']}, "
+            f"mean c {w['mean_c']:.3f}, share c < -{d:g} {w['share_below_minus_delta']:.2f}, > {d:g} {w['share_above_delta']:.2f}; "
+            f"without: n {wo['n']}, mean c {wo['mean_c']:.3f}, share c < -{d:g} {wo['share_below_minus_delta']:.2f}, "
+            f"> {d:g} {wo['share_above_delta']:.2f}")
+    out += [
+        f"  where each method's |A| goes (share on the largest-|c| {unit}, on the last {unit}; n = trajectories with A != 0):",
+    ]
+    width = max(len(k) for k in cl["placement"]) + 2 if cl["placement"] else 8
+    for spec, pl in cl["placement"].items():
+        out.append(f"    {spec.ljust(width)}{pl['on_largest_c_span']:.2f}  {pl['on_last_span']:.2f}  (n {pl['n']})")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------
 # printing and the command
 
 
@@ -748,6 +917,8 @@ def _score_main(argv: List[str]) -> int:
     p.add_argument("--n-boot", type=int, default=FidelityConfig.n_boot)
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.add_argument("--figure", default=None, help="also write a PNG of a few responses' c_t against each method's A_t")
+    p.add_argument("--claims", action="store_true", help="also print the numbers behind docs/fidelity.md's answers to "
+                   "the papers' token-level claims (sparsity, TACO's tail tokens, where each method's credit goes)")
     a = p.parse_args(argv)
     try:
         if a.file is None and not REFERENCE_SET.is_file():
@@ -755,10 +926,15 @@ def _score_main(argv: List[str]) -> int:
                                 "'python scripts/build_fidelity_set.py' (docs/fidelity.md) or pass an estimates file")
         est = load_estimates(a.file or REFERENCE_SET)
         specs = parse_methods(a.methods) if a.methods is not None else None
-        res = score(est, specs, credit_args=tuple(a.credit_args), cfg=FidelityConfig(delta=a.delta, n_boot=a.n_boot))
+        cfg = FidelityConfig(delta=a.delta, n_boot=a.n_boot)
+        res = score(est, specs, credit_args=tuple(a.credit_args), cfg=cfg)
+        if a.claims:
+            res["claims"] = claims(est, CLAIM_SPECS if specs is None else specs, credit_args=tuple(a.credit_args), cfg=cfg)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"tokencredit fidelity: {e}") from None
     print(json.dumps(res, indent=2, allow_nan=True) if a.json else format_table(res))
+    if a.claims and not a.json:
+        print("\n" + format_claims(res["claims"]))
     if a.figure:
         print(f"figure written to {plot_responses(est, a.figure)}", file=sys.stderr)
     return 0
