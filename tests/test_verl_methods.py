@@ -341,6 +341,28 @@ def test_trainer_mode_teacher_oracle_pass_on_a_batch_with_a_padding_sample(metho
     assert fake.calls == (2 if method == "oppo" else 0)
 
 
+def test_teacher_must_have_the_actors_tokenizer_and_one_teacher_entry():
+    import copy
+
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    _, tok = tiny_model_and_tokenizer(seed=0)
+    tct.check_same_tokenizer(tok, copy.deepcopy(tok), "same")
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<teacher-only>"])
+    with pytest.raises(ValueError, match=r"expected a teacher with the actor's tokenizer .* got other-teacher with"):
+        tct.check_same_tokenizer(tok, other, "other-teacher")
+    # verl drops its default entry when another is added: one teacher in effect
+    cfg = compose_verl(_with("tc_oppo", "+tokencredit.spec=oppo", "+tokencredit.oppo.oracle=teacher", *TEACHER,
+                             "+distillation.teacher_models.t1.model_path=Org/T1", "+distillation.teacher_models.t1.key=gsm8k"))
+    tct.check_trainer_config(cfg)
+    assert tct.teacher_model_path(cfg) == "Org/T1"
+    cfg = compose_verl(_with("tc_oppo", "+tokencredit.spec=oppo", "+tokencredit.oppo.oracle=teacher", *TEACHER,
+                             "+distillation.teacher_models.t1.model_path=Org/T1", "+distillation.teacher_models.t2.model_path=Org/T2"))
+    with pytest.raises(ValueError, match=r"one teacher; expected one entry, got \['t1', 't2'\]"):
+        tct.check_trainer_config(cfg)
+
+
 def test_teacher_output_that_does_not_line_up_is_an_error():
     from tokencredit.integrations.verl.oracle import response_logprobs, teacher_response_logprobs
     from tokencredit.testing import tiny_model_and_tokenizer
@@ -581,5 +603,7 @@ def test_launch_examples_dry_run_pass_verls_config_and_the_trainer_checks(script
         omega_conf_to_dataclass(cfg.critic)
     if cfg.distillation.enabled:  # verl's own checks of the teacher pool and loss settings
         omega_conf_to_dataclass(cfg.distillation)
+        # the teacher's pool is a second pool on the same node (verl's resource pool manager)
+        assert cfg.trainer.n_gpus_per_node + cfg.distillation.n_gpus_per_node <= 8
     if cfg.trainer.v1.trainer_mode == "tokencredit_sync":
         tct.check_trainer_config(cfg)

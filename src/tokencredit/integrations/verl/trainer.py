@@ -131,16 +131,39 @@ def trainer_plan(config: DictConfig, settings: VerlCreditSettings) -> Tuple[Cred
     return pipe, plan
 
 
+def teacher_model_path(config: DictConfig) -> str:
+    """The model path of the (one) teacher of verl's distillation section."""
+    models = config.distillation.teacher_models
+    keys = list(models.keys())
+    key = keys[0] if len(keys) == 1 else next(k for k in keys if k != "teacher_model")
+    return models[key].model_path
+
+
+def check_same_tokenizer(actor_tokenizer, teacher_tokenizer, teacher_path: str) -> None:
+    """The teacher scores the actor's token ids, so the two vocabularies must be the same mapping:
+    verl's teacher echoes back the ids it is given, so a different vocabulary would give aligned
+    but meaningless log-probs."""
+    a, t = actor_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if a != t:
+        diff = sorted(set(a.items()) ^ set(t.items()), key=lambda kv: kv[1])
+        raise ValueError(
+            f"distillation.teacher_models: expected a teacher with the actor's tokenizer ({len(a)} tokens), got "
+            f"{teacher_path} with {len(t)} tokens, {len(diff)} (token, id) pairs differing, e.g. {diff[:3]}"
+        )
+
+
 def check_teacher_config(config: DictConfig, spec: str) -> None:
     """What a teacher-scored oracle needs of verl's distillation section and rollout."""
     from verl.trainer.distillation.losses import get_distillation_loss_settings
 
     d = config.distillation
     teachers = list(d.get("teacher_models", {}).keys())
-    if len(teachers) != 1:
+    # verl drops its default entry "teacher_model" when others are added (DistillationConfig)
+    effective = teachers if len(teachers) == 1 else [t for t in teachers if t != "teacher_model"]
+    if len(effective) != 1:
         raise ValueError(
             f"distillation.teacher_models: tokencredit.spec '{spec}' scores its oracle with one teacher; expected one "
-            f"entry, got {teachers}"
+            f"entry, got {effective}"
         )
     mode = d.distillation_loss.get("loss_mode", "k3")
     if get_distillation_loss_settings(mode).use_topk:
@@ -349,6 +372,16 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         self.tokencredit_settings = check_trainer_config(config)
         install_settings(self.tokencredit_settings)
         self.tokencredit_credit, self.tokencredit_plan = trainer_plan(config, self.tokencredit_settings)
+        if self.tokencredit_plan.oracle is not None and self.tokencredit_plan.oracle.scorer == "teacher":
+            # before any worker starts: the teacher must score the actor's token ids
+            from verl.utils import hf_tokenizer
+            from verl.utils.fs import copy_to_local
+
+            trust = config.actor_rollout_ref.model.get("trust_remote_code", False)
+            tok = lambda p: hf_tokenizer(copy_to_local(p), trust_remote_code=trust)  # noqa: E731
+            path = teacher_model_path(config)
+            model = config.actor_rollout_ref.model
+            check_same_tokenizer(tok(model.get("tokenizer_path", None) or model.path), tok(path), path)
         super().__init__(config)
 
     # -- losses shipped to the workers ---------------------------------------------------------
