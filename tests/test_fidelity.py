@@ -423,3 +423,4 @@ def test_uniform_credit_has_no_rank_correlation_even_with_a_short_last_span():
     assert not math.isnan(spearman(sums, c))  # the artefact the flag removes
     res = _row_scores([(sums, c, True, True)], FidelityConfig(n_boot=10))
     assert res["rank_corr"]["n"] == 0 and res["sign_agreement"]["n"] == 1
+

@@ -50,6 +50,7 @@ __all__ = [
     "FidelityConfig",
     "FidelityError",
     "REFERENCE_SET",
+    "REFERENCE_TOKENS",
     "batch_fingerprint",
     "build_estimates",
     "check_policy",
@@ -66,6 +67,8 @@ __all__ = [
 
 FORMAT = "tokencredit-fidelity/1"
 REFERENCE_SET = Path(__file__).parent / "data" / "fidelity_reference.pt"
+#: the same batch, V at every position (credit per token) for the first groups of responses
+REFERENCE_TOKENS = Path(__file__).parent / "data" / "fidelity_reference_tokens.pt"
 
 
 class FidelityError(ValueError):
@@ -604,6 +607,18 @@ def _row_scores(pairs: Sequence[Tuple], cfg: FidelityConfig) -> Dict[str, Dict[s
     return {k: bootstrap_mean([p[k] for p in per], cfg) for k in METRICS}
 
 
+def _scored_rows(est: Dict[str, Any]) -> Tuple[List[int], int, List[int], List[bool]]:
+    """Response lengths, the stride, the complete non-empty rows (what is scored) and, per row,
+    whether it succeeded (reward 1)."""
+    lengths = _lengths(est["rollouts"])
+    done = complete_rows(est)
+    rows = [b for b in range(len(lengths)) if done[b] and lengths[b] > 0]
+    if not rows:
+        raise FidelityError("ESTIMATES: no complete trajectory to score")
+    R = torch.as_tensor(est["rollouts"]["signals"]["rewards"]).double()
+    return lengths, int(est["settings"]["stride"]), rows, [bool(r >= 1.0 - 1e-6) for r in R.tolist()]
+
+
 def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_args: Sequence[str] = (),
           cfg: FidelityConfig = FidelityConfig()) -> Dict[str, Any]:
     """Score every replayed method (``specs`` default: what ``inspect`` replays) against the
@@ -613,15 +628,7 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     from .inspector import replay
 
     saved = est["rollouts"]
-    lengths = _lengths(saved)
-    stride = int(est["settings"]["stride"])
-    done = complete_rows(est)
-    rows_idx = [b for b in range(len(lengths)) if done[b] and lengths[b] > 0]
-    if not rows_idx:
-        raise FidelityError("ESTIMATES: no complete trajectory to score")
-    R = torch.as_tensor(saved["signals"]["rewards"]).double()
-    hi = 1.0
-    success = [bool(R[b] >= hi - 1e-6) for b in range(len(lengths))]
+    lengths, stride, rows_idx, success = _scored_rows(est)
     V = span_values(est)
     c = {b: credit_spans(V[b]) for b in rows_idx}
     Ve, Vo = span_values(est, "even"), span_values(est, "odd")
@@ -651,6 +658,7 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
         "policy": est.get("policy", ""),
         "settings": est["settings"],
         "trajectories": len(rows_idx),
+        "batch_size": len(lengths),
         "successful": int(sum(success[b] for b in rows_idx)),
         "positions": int(cs.numel()),
         "mean_len": float(sum(lengths[b] for b in rows_idx) / len(rows_idx)),
@@ -704,14 +712,8 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
 
     saved = est["rollouts"]
     sig = saved["signals"]
-    lengths = _lengths(saved)
-    stride = int(est["settings"]["stride"])
-    done = complete_rows(est)
-    rows = [b for b in range(len(lengths)) if done[b] and lengths[b] > 0]
-    if not rows:
-        raise FidelityError("ESTIMATES: no complete trajectory to score")
-    R = torch.as_tensor(sig["rewards"]).double()
-    win = {b: bool(R[b] >= 1.0 - 1e-6) for b in rows}
+    lengths, stride, rows, success = _scored_rows(est)
+    win = {b: success[b] for b in rows}
     V = span_values(est)
     c = {b: credit_spans(V[b]) for b in rows}
     mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")  # noqa: E731
@@ -844,7 +846,9 @@ def format_table(res: Dict[str, Any]) -> str:
     s = res["settings"]
     unit = "tokens" if s["stride"] == 1 else f"spans of {s['stride']} tokens"
     lines = [
-        f"credit fidelity: {res['trajectories']} trajectories ({res['successful']} successful), {res['positions']} {unit}, M = {s['M']} continuations per position, "
+        f"credit fidelity: {res['trajectories']} trajectories"
+        + (f" (the complete ones of a batch of {res['batch_size']})" if res.get("batch_size", res["trajectories"]) > res["trajectories"] else "")
+        + f" ({res['successful']} successful), {res['positions']} {unit}, M = {s['M']} continuations per position, "
         f"T = {s['temperature']}; mean SE of V = {res['v_se_mean']:.3f}; policy: {res['policy'] or '?'}",
         f"metrics per trajectory, averaged, [{int(res['config']['level'] * 100)}% bootstrap over trajectories]; "
         f"contamination: positive credit on c < -{res['config']['delta']} in successful responses",
@@ -911,6 +915,9 @@ def _score_main(argv: List[str]) -> int:
 
     p = argparse.ArgumentParser(prog="tokencredit fidelity", description="score every method's token credit against Monte Carlo true credit")
     p.add_argument("file", nargs="?", default=None, help="an estimates file (default: the bundled reference set)")
+    p.add_argument("--reference", choices=("spans", "tokens"), default="spans",
+                   help="without FILE, which bundled set: V every 4th position for all 64 responses (spans), or at "
+                        "every position for the first groups (tokens)")
     p.add_argument("--methods", default=None, help="comma-separated credit specs (default: what inspect replays)")
     p.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE")
     p.add_argument("--delta", type=float, default=FidelityConfig.delta)
@@ -921,10 +928,12 @@ def _score_main(argv: List[str]) -> int:
                    "the papers' token-level claims (sparsity, TACO's tail tokens, where each method's credit goes)")
     a = p.parse_args(argv)
     try:
-        if a.file is None and not REFERENCE_SET.is_file():
-            raise FidelityError(f"no bundled reference set at {REFERENCE_SET}: build it with "
-                                "'python scripts/build_fidelity_set.py' (docs/fidelity.md) or pass an estimates file")
-        est = load_estimates(a.file or REFERENCE_SET)
+        ref = REFERENCE_SET if a.reference == "spans" else REFERENCE_TOKENS
+        if a.file is None and not ref.is_file():
+            how = "" if a.reference == "spans" else " --stride 1 --max-minutes 55 --output " + str(ref)
+            raise FidelityError(f"no bundled reference set at {ref}: build it with 'python scripts/build_fidelity_set.py{how}' "
+                                "(docs/fidelity.md) or pass an estimates file")
+        est = load_estimates(a.file or ref)
         specs = parse_methods(a.methods) if a.methods is not None else None
         cfg = FidelityConfig(delta=a.delta, n_boot=a.n_boot)
         res = score(est, specs, credit_args=tuple(a.credit_args), cfg=cfg)
