@@ -56,6 +56,41 @@ def test_declared_needs_that_cannot_be_met_are_one_line_errors():
     assert opd.prompt is None and opd.scorer == "teacher"
 
 
+def test_signals_that_depend_on_the_config_are_declared_per_config():
+    """TACO's ar_lopti mode reads the rollout probability (old_logprobs): the declaration is a
+    function of the config, bound by the pipeline, so the plan, replays and the verl/TRL checks
+    see it; the other modes do not demand it."""
+    from dataclasses import dataclass
+
+    from tokencredit import registry
+    from tokencredit.registry import get_method
+
+    assert get_method("taco").requires == {"logprobs", "entropy"}  # the default config's
+    assert CreditPipeline("grpo+taco").required_signals == {"logprobs", "entropy"}
+    ar = CreditPipeline("grpo+taco", taco={"mode": "ar_lopti"})
+    assert ar.required_signals == {"logprobs", "entropy", "old_logprobs"}
+    assert ar.calibrators[0].requires == {"logprobs", "entropy", "old_logprobs"}
+    assert "old_logprobs" in plan_signals(ar, lora=False).signals
+
+    @dataclass
+    class Cfg:
+        more: bool = False
+
+    saved = dict(registry._REGISTRY)
+    try:
+        with pytest.raises(ValueError, match=r"requires unknown signal\(s\) \['nope'\]"):
+            registry.register_calibrator("toy_bad_requires", config=Cfg, requires=lambda c: ("nope",),
+                                         provenance="paper", summary="-")(lambda b, a, c, s=None: None)
+        registry.register_calibrator("toy_mode_requires", config=Cfg, requires=lambda c: ("entropy",) + (("nope",) if c.more else ()),
+                                     provenance="paper", summary="-")(lambda b, a, c, s=None: None)
+        assert CreditPipeline("grpo+toy_mode_requires").required_signals == {"entropy"}
+        with pytest.raises(ValueError, match=r"toy_mode_requires: requires unknown signal"):
+            CreditPipeline("grpo+toy_mode_requires", toy_mode_requires={"more": True})
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(saved)
+
+
 def test_critic_declarations():
     pact = plan_signals(CreditPipeline("pact"), lora=False).critic
     gae = plan_signals(CreditPipeline("gae"), lora=False).critic

@@ -241,7 +241,7 @@ FAMILIES = [
     ("opd", {}, {}),
     ("surprisal", {}, {}),
     ("entropy", {}, {}),
-    ("taco", {"taco": {"mode": "ar_lopti"}}, {}),  # reads old_logprobs, which no method declares
+    ("taco", {"taco": {"mode": "ar_lopti"}}, {}),  # reads old_logprobs (declared for that mode only)
     ("oppo+taco", {"oppo": {"oracle": "teacher"}, "taco": {"alpha": 2.0}}, {"teacher": True}),
     ("acpo", {}, {"checkpointing": True}),  # TRL's default: activation checkpointing on
     ("rloo+arca", {}, {"lora": True, "checkpointing": True}),

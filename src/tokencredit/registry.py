@@ -12,8 +12,9 @@ Two kinds of method share one registry:
 
   ``state`` is ``None`` unless the method registers a ``state_cls`` (STARE's controller).
 
-A method declares the :class:`~tokencredit.batch.CreditBatch` fields it reads (``requires``),
-so a trainer computes only those signals, and the loss aggregation its paper's estimator is
+A method declares the :class:`~tokencredit.batch.CreditBatch` fields it reads (``requires``:
+the names, or a function of its config when a mode reads more, e.g. TACO's ``ar_lopti``), so a
+trainer computes only those signals, and the loss aggregation its paper's estimator is
 defined with (``loss_defaults``, e.g. ARCA's per-trajectory ``seq-mean-token-mean``), which a
 trainer uses unless the user sets one. Provenance is one of ``ref-code`` (read in the
 authors' code), ``paper`` (from the paper's text) or ``reconstructed`` (derived from the
@@ -132,6 +133,16 @@ class MethodInfo:
     critic: Optional[Callable[[Any], CriticSpec]] = None
     # the method reads an adapter's effect (ARCA's residual): a model without a LoRA adapter is an error
     needs_adapter: bool = False
+    # when the signals read depend on the config (TACO's ar_lopti mode reads old_logprobs):
+    # config -> signals; ``requires`` is then the default config's, and a pipeline binds each
+    # method to its config (:meth:`bind`)
+    requires_fn: Optional[Callable[[Any], Any]] = None
+
+    def bind(self, config: Any) -> "MethodInfo":
+        """This method with ``requires`` resolved for ``config`` (itself when it does not depend on it)."""
+        if self.requires_fn is None:
+            return self
+        return dataclasses.replace(self, requires=_signals(self.name, self.requires_fn(config)))
 
     def make_config(self, config: Any = None) -> Any:
         """Build this method's config from None, a dict of overrides, or a config instance."""
@@ -153,6 +164,21 @@ class MethodInfo:
 
 
 _REGISTRY: Dict[str, MethodInfo] = {}
+
+
+def _signals(name: str, requires: Any) -> FrozenSet[str]:
+    out = frozenset(requires)
+    unknown = set(out) - set(SIGNALS)
+    if unknown:
+        raise ValueError(f"{name}: requires unknown signal(s) {sorted(unknown)}; known: {SIGNALS}")
+    return out
+
+
+def _requires(name: str, requires: Any, config_cls: type):
+    """``requires`` as declared: signals, or a function of the config (-> the default config's signals, the function)."""
+    if callable(requires):
+        return _signals(name, requires(config_cls())), requires
+    return _signals(name, requires), None
 
 
 def _register(info: MethodInfo) -> None:
@@ -192,13 +218,15 @@ def register_estimator(
     """Decorator: register ``fn(batch, config) -> CreditOutput`` as estimator ``name``."""
 
     def deco(fn: Callable) -> Callable:
+        req, req_fn = _requires(name, requires, config)
         _register(
             MethodInfo(
                 name=name,
                 kind="estimator",
                 fn=fn,
                 config_cls=config,
-                requires=frozenset(requires),
+                requires=req,
+                requires_fn=req_fn,
                 provenance=provenance,
                 summary=summary,
                 needs_groups=needs_groups,
@@ -227,13 +255,15 @@ def register_calibrator(
     """Decorator: register ``fn(batch, advantages, config, state) -> CreditOutput``."""
 
     def deco(fn: Callable) -> Callable:
+        req, req_fn = _requires(name, requires, config)
         _register(
             MethodInfo(
                 name=name,
                 kind="calibrator",
                 fn=fn,
                 config_cls=config,
-                requires=frozenset(requires),
+                requires=req,
+                requires_fn=req_fn,
                 provenance=provenance,
                 summary=summary,
                 paired_with=paired_with,

@@ -63,6 +63,8 @@ class CreditPipeline:
         if unknown:
             raise ValueError(f"configs given for {unknown}, which are not in credit spec '{self.name}'")
         self.configs = {m.name: m.make_config(given.get(m.name)) for m in self.methods}
+        # each method with its requires resolved for its config (TACO's ar_lopti reads old_logprobs)
+        self.methods = [m.bind(self.configs[m.name]) for m in self.methods]
         self.states = {m.name: m.state_cls(self.configs[m.name]) for m in self.methods if m.state_cls}
 
     @property

@@ -168,9 +168,8 @@ def _mean(x: Tensor, m: Tensor, empty: float) -> float:
 @register_calibrator(
     "taco",
     config=TACOConfig,
-    # ar_lopti mode also reads old_logprobs (checked at call time: `requires` is per method, and
-    # declaring it would make every "taco" spec demand a signal that only that mode reads)
-    requires=("logprobs", "entropy"),
+    # ar_lopti mode also reads the rollout policy's probability (old_logprobs)
+    requires=lambda c: ("logprobs", "entropy") + (("old_logprobs",) if c.mode == "ar_lopti" else ()),
     provenance="ref-code",
     summary="shrinks positive credit on tail tokens (surprisal beyond entropy), never to zero",
     paired_with="grpo",
