@@ -226,8 +226,9 @@ def test_exact_credit_is_perfect_and_an_anti_correlated_method_is_below_uniform(
         assert r["rank_corr"]["mean"] == pytest.approx(1.0)
         assert r["contamination"]["mean"] == pytest.approx(0.0)
     assert pact["pivotal_mass"]["mean"] == pytest.approx(truth["pivotal_mass"]["mean"], abs=1e-6)
-    # the same split-half noise ceiling is perfect when every sample is exact
-    assert rows["split-half (noise ceiling)"]["sign_agreement"]["mean"] == pytest.approx(1.0)
+    # the split-half reference is perfect when every sample is exact
+    assert rows["split-half"]["sign_agreement"]["mean"] == pytest.approx(1.0)
+    assert res["perfect_rank_corr"]["all"] == pytest.approx(1.0)
     # anti-correlated credit (-c) against uniform (grpo): worse on every signed metric
     cfg = FidelityConfig(delta=0.0)
     R = saved["signals"]["rewards"]
@@ -333,7 +334,7 @@ def test_cli_scores_a_file_as_json_with_a_figure_and_refuses_a_rollouts_file(tmp
     assert main(["fidelity", str(tmp_path / "est.pt"), "--json", "--n-boot", "20", "--methods", "grpo,rloo,grpo+taco",
                  "--figure", str(png)]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert [r["method"] for r in res["rows"]] == ["true credit (MC)", "split-half (noise ceiling)", "random", "grpo", "rloo"]
+    assert [r["method"] for r in res["rows"]] == ["true credit (MC)", "split-half", "split-half, mixed groups", "random", "grpo", "rloo"]
     assert [s["spec"] for s in res["skipped"]] == ["grpo+taco"] and res["skipped"][0]["missing"]  # no logprobs here
     assert res["trajectories"] == len(seqs) and png.stat().st_size > 1000
     torch.save(saved, tmp_path / "r.pt")
@@ -364,6 +365,41 @@ def hand_estimates():
     return {"rollouts": saved, "settings": {"stride": 1, "M": 2, "temperature": 1.0}, "samples": samples}
 
 
+def test_ties_share_the_top_places_and_undefined_cases_are_nan():
+    from tokencredit.fidelity import top_weights
+
+    x = torch.tensor([3.0, 1.0, 3.0, 2.0])
+    assert top_weights(x, 1).tolist() == [0.5, 0.0, 0.5, 0.0]
+    assert top_weights(x, 2).tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert top_weights(x, 3).tolist() == [1.0, 0.0, 1.0, 1.0]
+    c = torch.tensor([0.5, 0.5] + [0.0] * 8)
+    a = torch.tensor([1.0] + [0.0] * 9)
+    # the top 10% (1 position) is a tie of two: each holds half a place, whichever comes first
+    assert trajectory_metrics(a, c, False)["pivotal_mass"] == pytest.approx(0.5)
+    assert trajectory_metrics(a.flip(0).roll(2), c, False)["pivotal_mass"] == pytest.approx(0.5)
+    m = trajectory_metrics(a, torch.zeros(10), True)  # nothing is pivotal
+    assert math.isnan(m["pivotal_mass"]) and math.isnan(m["sign_agreement"])
+    m = trajectory_metrics(torch.zeros(10), c, True)  # a method that gives no credit is not scored
+    assert math.isnan(m["pivotal_mass"]) and math.isnan(m["sign_agreement"]) and math.isnan(m["contamination"])
+
+
+def test_bootstrap_resamples_prompt_groups_and_se_is_never_zero():
+    from tokencredit.fidelity import bootstrap_mean, spearman_brown, standard_errors
+
+    v = [0.0] * 4 + [1.0] * 4
+    cfg = FidelityConfig(n_boot=400)
+    one_by_one = bootstrap_mean(v, cfg)
+    by_group = bootstrap_mean(v, cfg, clusters=[0] * 4 + [1] * 4)
+    assert by_group["groups"] == 2 and one_by_one["groups"] == 8
+    assert (by_group["lo"], by_group["hi"]) == (0.0, 1.0)  # two groups: means 0, 0.5 or 1
+    assert by_group["hi"] - by_group["lo"] > one_by_one["hi"] - one_by_one["lo"]
+    assert spearman_brown(0.15) == pytest.approx(math.sqrt(0.3 / 1.15)) and math.isnan(spearman_brown(-0.1))
+    est = hand_estimates()
+    se = standard_errors(est)
+    p1 = (2 + 0.5) / 3  # 2 of 2 successes, Jeffreys-smoothed
+    assert float(se[0][2]) == pytest.approx(math.sqrt(p1 * (1 - p1) / 2)) and bool((torch.cat(se) > 0).all())
+
+
 def test_claims_hand_case():
     from tokencredit.fidelity import claims, format_claims
 
@@ -376,13 +412,13 @@ def test_claims_hand_case():
     assert cl["last_span_c"] == {"successes": 0.0, "failures": -0.5}
     assert cl["largest_span_line"] == {"line 1": 1, "last line": 1}
     tt = cl["taco_tail"]
-    assert (tt["tail_tokens"], tt["tokens"]) == (1, 4)
-    assert tt["spans_with_tail"] == {"n": 1, "mean_c": 0.5, "share_below_minus_delta": 0.0, "share_above_delta": 1.0}
-    assert tt["spans_without_tail"]["n"] == 3 and tt["spans_without_tail"]["mean_c"] == 0.0
-    # the riskiest 5%: r = 10 - 0.5 + log 0.01 on token 1, 0.1 - 0.5 + log 0.01 elsewhere; linear quantile
-    lo, hi = 0.1 - 0.5 + math.log(0.01), 10 - 0.5 + math.log(0.01)
-    assert tt["riskiest_5pct_threshold"] == pytest.approx(lo + 0.85 * (hi - lo))
-    assert tt["spans_with_riskiest"]["n"] == 1 and tt["spans_with_riskiest"]["mean_c"] == 0.5
+    assert (tt["tail_tokens"], tt["surprisal_above_entropy_tokens"], tt["tokens"]) == (1, 1, 4)
+    w = tt["spans_with_tail"]
+    assert (w["n"], w["mean_c"]["mean"], w["share_below_minus_delta"], w["share_above_delta"]) == (1, 0.5, 0.0, 1.0)
+    assert tt["spans_without_tail"]["n"] == 3 and tt["spans_without_tail"]["mean_c"]["mean"] == 0.0
+    # surprisal 0.1 < entropy 0.5 on the other tokens: only token 1 is above its entropy
+    assert tt["spans_surprisal_above_entropy"]["n"] == 1 and tt["spans_surprisal_above_entropy"]["mean_c"]["mean"] == 0.5
+    assert cl["zero_credit_trajectories"] == 0 and cl["sparsity"]["largest_span_share_noise_only"] == 1.0  # one noisy span each
     # GRPO: the same |A| on every token, so a quarter of it on any one of 4 spans
     assert cl["placement"] == {"grpo": {"n": 2, "on_largest_c_span": 0.25, "on_last_span": 0.25}}
     # surprisal weights pile each response's credit on its surprising token: the success's token 1

@@ -17,9 +17,11 @@ from prefix ``h`` (the prompt and the first t response tokens), succeeds; after 
 2. **scores** (:func:`score`) every registered method and a few compositions, replayed on the
    estimates' batch exactly as ``tokencredit inspect`` replays
    (:func:`tokencredit.inspector.replay`), per trajectory and then averaged, with a bootstrap
-   interval over trajectories (:func:`trajectory_metrics` defines the four metrics). The
-   split-half row (the estimate from half the continuations against the other half) is the
-   noise ceiling.
+   interval that resamples prompt groups (:func:`trajectory_metrics` defines the four
+   metrics). The split-half rows (the estimate from half the continuations against the other
+   half, on all trajectories and on the groups with mixed outcomes) show what Monte Carlo noise
+   alone does; :func:`spearman_brown` turns them into the rank correlation perfect credit would
+   reach against the full estimate.
 
 The estimates file is one ``torch.save`` of tensors and plain values (read back with
 ``weights_only=True``): the rollouts as the trainer saved them, their fingerprint, the
@@ -79,12 +81,14 @@ class FidelityError(ValueError):
 class FidelityConfig:
     """Settings of the scores (not of the estimates)."""
 
-    top_frac: float = 0.1  # pivotal mass: share of |A| on the top 10% tokens by |c| (issue 10)
-    # contamination: positive credit on tokens whose true credit is below -delta. With M = 16 the
-    # standard error of one c_t is up to sqrt(2 * 0.25 / 16) ~ 0.18 (ours: docs/fidelity.md),
-    # so a smaller delta would mostly count noise
+    # pivotal mass: share of |A| on the top 10% positions (tokens, or spans with stride > 1;
+    # at least one) by |c| (issue 10)
+    top_frac: float = 0.1
+    # contamination: positive credit on positions whose true credit is below -delta. With M = 16
+    # the standard error of one c is about 0.1 on the reference set (up to 0.18 at V = 0.5):
+    # delta = 0.1 counts positions about one standard error below 0, not certain harm
     delta: float = 0.1
-    n_boot: int = 1000  # bootstrap resamples of the trajectories
+    n_boot: int = 1000  # bootstrap resamples of the prompt groups
     level: float = 0.95  # two-sided bootstrap interval
     seed: int = 0  # bootstrap and the random-credit row
 
@@ -292,7 +296,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
         if int(v) != v or v < lo:
             raise FidelityError(f"{name}: expected an integer >= {lo}, got {v}")
     if M % 2:
-        raise FidelityError(f"M: expected an even number (the noise ceiling splits the continuations in halves), got {M}")
+        raise FidelityError(f"M: expected an even number (the split-half reference splits the continuations in halves), got {M}")
     out = Path(out)
     fp = batch_fingerprint(saved)
     settings = {"M": int(M), "stride": int(stride), "temperature": float(temperature), "top_p": float(top_p),
@@ -474,11 +478,22 @@ def span_values(est: Dict[str, Any], which: str = "all") -> List[torch.Tensor]:
 
 
 def standard_errors(est: Dict[str, Any]) -> List[torch.Tensor]:
-    """Per row: the standard error of each estimated ``V(h_p)`` (sample std / sqrt(M))."""
+    """Per row: the standard error of each estimated ``V(h_p)``. Rewards of 0 / 1 (success):
+    the binomial ``sqrt(p (1 - p) / M)`` with the Jeffreys-smoothed ``p = (k + 1/2) / (M + 1)``,
+    so that 0 or M successes out of M do not claim an SE of 0; other rewards: the sample std / sqrt(M)."""
     lengths = _lengths(est["rollouts"])
     stride = int(est["settings"]["stride"])
     s = est["samples"].double()
-    return [s[b, mc_positions(n, stride)].std(-1, unbiased=True) / math.sqrt(s.shape[-1]) for b, n in enumerate(lengths)]
+    M = s.shape[-1]
+    out = []
+    for b, n in enumerate(lengths):
+        x = s[b, mc_positions(n, stride)]
+        if bool(((x == 0) | (x == 1) | torch.isnan(x)).all()):
+            p = (x.sum(-1) + 0.5) / (M + 1)
+            out.append(torch.sqrt(p * (1 - p) / M))
+        else:
+            out.append(x.std(-1, unbiased=True) / math.sqrt(M))
+    return out
 
 
 def credit_spans(values: torch.Tensor) -> torch.Tensor:
@@ -542,13 +557,28 @@ def spearman(a: torch.Tensor, c: torch.Tensor) -> float:
 METRICS = ("pivotal_mass", "sign_agreement", "rank_corr", "contamination")
 
 
+def top_weights(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Membership of each position in the top ``k`` by ``x``, ties at the cut shared: positions
+    above the k-th largest value get 1, those equal to it share the remaining places equally
+    (so the weights sum to ``k`` and no tie is broken by position)."""
+    x = torch.as_tensor(x).double()
+    k = min(int(k), x.numel())
+    if k <= 0:
+        return torch.zeros_like(x)
+    v = torch.sort(x, descending=True).values[k - 1]
+    above, at = x > v, x == v
+    return above.double() + at.double() * (k - int(above.sum())) / int(at.sum())
+
+
 def trajectory_metrics(a: torch.Tensor, c: torch.Tensor, success: bool, cfg: FidelityConfig = FidelityConfig()) -> Dict[str, float]:
     """The four metrics of one trajectory's credit ``a`` against true credit ``c`` (per token
     or per span; NaN where undefined):
 
     - ``pivotal_mass``: the share of ``sum |a|`` on the top ``ceil(top_frac * n)`` positions by
-      ``|c|`` (uniform credit: about ``top_frac``);
+      ``|c|``, ties at the cut shared (:func:`top_weights`); undefined when ``c`` is 0 everywhere
+      (nothing is pivotal) or ``a`` is (uniform credit: about ``top_frac``);
     - ``sign_agreement``: ``sum |c| * [sign a == sign c] / sum |c|``, a zero ``a`` counting half;
+      undefined when ``a`` or ``c`` is 0 everywhere (a method that gives no credit is not scored);
     - ``rank_corr``: Spearman correlation of ``a`` with ``c`` (undefined when either is constant);
     - ``contamination`` (successful responses only; TACO's failure mode): the share of positive
       credit ``sum a+`` given to positions with ``c < -delta``.
@@ -558,13 +588,11 @@ def trajectory_metrics(a: torch.Tensor, c: torch.Tensor, success: bool, cfg: Fid
     out = {k: float("nan") for k in METRICS}
     if n == 0:
         return out
-    k = max(1, math.ceil(cfg.top_frac * n - 1e-9))
-    top = torch.argsort(c.abs(), descending=True, stable=True)[:k]
-    sa = float(a.abs().sum())
-    if sa > 0:
-        out["pivotal_mass"] = float(a.abs()[top].sum()) / sa
     w = c.abs()
-    if float(w.sum()) > 0:
+    sa = float(a.abs().sum())
+    if sa > 0 and float(w.sum()) > 0:
+        k = max(1, math.ceil(cfg.top_frac * n - 1e-9))
+        out["pivotal_mass"] = float((a.abs() * top_weights(w, k)).sum()) / sa
         out["sign_agreement"] = float((w * (torch.sign(a) * torch.sign(c) + 1) / 2).sum() / w.sum())
     out["rank_corr"] = spearman(a, c)
     if success:
@@ -574,17 +602,26 @@ def trajectory_metrics(a: torch.Tensor, c: torch.Tensor, success: bool, cfg: Fid
     return out
 
 
-def bootstrap_mean(values: Sequence[float], cfg: FidelityConfig = FidelityConfig()) -> Dict[str, float]:
-    """Mean over trajectories (NaN skipped) with a percentile bootstrap interval."""
-    v = torch.tensor([x for x in values if not math.isnan(x)], dtype=torch.float64)
+def bootstrap_mean(values: Sequence[float], cfg: FidelityConfig = FidelityConfig(),
+                   clusters: Optional[Sequence[int]] = None) -> Dict[str, float]:
+    """Mean over trajectories (NaN skipped) with a percentile bootstrap interval. With
+    ``clusters`` (the prompt group of each value) whole groups are resampled: the responses to
+    one prompt are not independent, and resampling them one by one would narrow the interval."""
+    keep = [i for i, x in enumerate(values) if not math.isnan(x)]
+    v = torch.tensor([values[i] for i in keep], dtype=torch.float64)
     if v.numel() == 0:
-        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
+        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0, "groups": 0}
+    cl = torch.tensor([int(clusters[i]) for i in keep]) if clusters is not None else torch.arange(v.numel())
+    _, cid = torch.unique(cl, return_inverse=True)
+    G = int(cid.max()) + 1
+    sums = torch.zeros(G, dtype=torch.float64).index_add_(0, cid, v)
+    counts = torch.zeros(G, dtype=torch.float64).index_add_(0, cid, torch.ones_like(v))
     g = torch.Generator().manual_seed(cfg.seed)
-    idx = torch.randint(0, v.numel(), (cfg.n_boot, v.numel()), generator=g)
-    means = v[idx].mean(1)
+    idx = torch.randint(0, G, (cfg.n_boot, G), generator=g)
+    means = sums[idx].sum(1) / counts[idx].sum(1)
     q = torch.tensor([(1 - cfg.level) / 2, 1 - (1 - cfg.level) / 2], dtype=torch.float64)
     lo, hi = torch.quantile(means, q).tolist()
-    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": int(v.numel())}
+    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": int(v.numel()), "groups": G}
 
 
 def is_constant(adv_row: torch.Tensor, length: int) -> bool:
@@ -596,15 +633,16 @@ def is_constant(adv_row: torch.Tensor, length: int) -> bool:
     return bool(a.numel() == 0 or float(a.max() - a.min()) <= 1e-9 * max(1.0, float(a.abs().max())))
 
 
-def _row_scores(pairs: Sequence[Tuple], cfg: FidelityConfig) -> Dict[str, Dict[str, float]]:
-    """``pairs``: (a, c, success) or (a, c, success, constant); a constant credit has no rank."""
+def _row_scores(pairs: Sequence[Tuple], cfg: FidelityConfig, clusters: Optional[Sequence[int]] = None) -> Dict[str, Dict[str, float]]:
+    """``pairs``: (a, c, success) or (a, c, success, constant); a constant credit has no rank.
+    ``clusters``: the prompt group of each pair (the bootstrap resamples groups)."""
     per = []
     for p in pairs:
         m = trajectory_metrics(p[0], p[1], p[2], cfg)
         if len(p) > 3 and p[3]:
             m["rank_corr"] = float("nan")
         per.append(m)
-    return {k: bootstrap_mean([p[k] for p in per], cfg) for k in METRICS}
+    return {k: bootstrap_mean([p[k] for p in per], cfg, clusters) for k in METRICS}
 
 
 def _scored_rows(est: Dict[str, Any]) -> Tuple[List[int], int, List[int], List[bool]]:
@@ -619,16 +657,37 @@ def _scored_rows(est: Dict[str, Any]) -> Tuple[List[int], int, List[int], List[b
     return lengths, int(est["settings"]["stride"]), rows, [bool(r >= 1.0 - 1e-6) for r in R.tolist()]
 
 
+def _mixed_groups(saved: Dict[str, Any], rows: Sequence[int]) -> List[int]:
+    """The rows whose prompt group has both outcomes (where group-relative credit is not 0)."""
+    R = torch.as_tensor(saved["signals"]["rewards"]).double()
+    g = torch.as_tensor(saved["signals"]["group_ids"])
+    return [b for b in rows if bool((R[g == g[b]] != R[b]).any())]
+
+
+def spearman_brown(r_half: float) -> float:
+    """The expected correlation of perfect credit with the M-continuation estimate, from the
+    correlation ``r_half`` of two independent M/2 estimates (split-half): the M estimate's
+    reliability is ``2 r / (1 + r)`` (Spearman-Brown) and a perfect method correlates with it as
+    the square root of that. NaN for r <= 0."""
+    if not r_half > 0:
+        return float("nan")
+    return math.sqrt(2 * r_half / (1 + r_half))
+
+
 def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_args: Sequence[str] = (),
           cfg: FidelityConfig = FidelityConfig()) -> Dict[str, Any]:
     """Score every replayed method (``specs`` default: what ``inspect`` replays) against the
     true credit of the complete trajectories of ``est``. Returns a JSON-able dict: ``rows``
-    (one per method, plus ``true credit`` against itself, ``split-half`` (the noise ceiling)
-    and ``random``), ``skipped`` and the set's description."""
+    (one per method, plus ``true credit`` against itself, ``split-half`` on all trajectories and
+    on the groups with mixed outcomes (the noise references), and ``random``), ``skipped``, the
+    expected rank correlation of perfect credit (``perfect_rank_corr``) and the set's description.
+    Intervals resample prompt groups."""
     from .inspector import replay
 
     saved = est["rollouts"]
     lengths, stride, rows_idx, success = _scored_rows(est)
+    groups = torch.as_tensor(saved["signals"]["group_ids"]).tolist()
+    mixed = _mixed_groups(saved, rows_idx)
     V = span_values(est)
     c = {b: credit_spans(V[b]) for b in rows_idx}
     Ve, Vo = span_values(est, "even"), span_values(est, "odd")
@@ -638,33 +697,40 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
         critic_note = f"critic of the {saved.get('credit', '?')} run (step {saved.get('step', '?')}), saved with its rollouts"
     out_rows = []
 
-    def add(label, kind, pairs, note=None):
-        out_rows.append({"method": label, "kind": kind, "note": note, **_row_scores(pairs, cfg)})
+    def add(label, kind, pairs, rows, note=None):
+        out_rows.append({"method": label, "kind": kind, "note": note, **_row_scores(pairs, cfg, [groups[b] for b in rows])})
 
-    add("true credit (MC)", "reference", [(c[b], c[b], success[b]) for b in rows_idx], "c against itself")
-    add("split-half (noise ceiling)", "reference",
-        [(credit_spans(Ve[b]), credit_spans(Vo[b]), success[b]) for b in rows_idx], f"M/2 = {est['samples'].shape[-1] // 2} vs the other M/2")
+    half = est["samples"].shape[-1] // 2
+    add("true credit (MC)", "reference", [(c[b], c[b], success[b]) for b in rows_idx], rows_idx, "c against itself")
+    for label, rows in (("split-half", rows_idx), ("split-half, mixed groups", mixed)):
+        add(label, "reference", [(credit_spans(Ve[b]), credit_spans(Vo[b]), success[b]) for b in rows], rows,
+            f"M/2 = {half} vs the other M/2" + (": the groups where group-relative credit is not 0" if rows is mixed else ""))
     g = torch.Generator().manual_seed(cfg.seed)
     add("random", "reference", [(span_sums(torch.randn(lengths[b], generator=g, dtype=torch.float64), lengths[b], stride), c[b], success[b])
-                                for b in rows_idx], "i.i.d. normal credit")
+                                for b in rows_idx], rows_idx, "i.i.d. normal credit")
     for v in insp.views:
         needs_critic = any(m in ("gae", "pact") for m in v.spec.split("+"))
         add(v.label, v.source, [(span_sums(v.advantages[b], lengths[b], stride), c[b], success[b],
-                                 is_constant(v.advantages[b], lengths[b])) for b in rows_idx],
+                                 is_constant(v.advantages[b], lengths[b])) for b in rows_idx], rows_idx,
             critic_note if needs_critic else None)
     se = torch.cat([s for b, s in enumerate(standard_errors(est)) if b in set(rows_idx)])
     cs = torch.cat([c[b] for b in rows_idx])
+    ref = {r["method"]: r for r in out_rows}
     return {
         "policy": est.get("policy", ""),
         "settings": est["settings"],
         "trajectories": len(rows_idx),
         "batch_size": len(lengths),
+        "groups": len({groups[b] for b in rows_idx}),
+        "mixed_trajectories": len(mixed),
         "successful": int(sum(success[b] for b in rows_idx)),
         "positions": int(cs.numel()),
         "mean_len": float(sum(lengths[b] for b in rows_idx) / len(rows_idx)),
         "v_se_mean": float(se.mean()),
         "c_abs_mean": float(cs.abs().mean()),
         "c_neg_frac": float((cs < -cfg.delta).double().mean()),
+        "perfect_rank_corr": {k: spearman_brown(ref[f"split-half{s}"]["rank_corr"]["mean"])
+                              for k, s in (("all", ""), ("mixed", ", mixed groups"))},
         "config": asdict(cfg),
         "build": {k: v for k, v in (est.get("build") or {}).items()},
         "rows": out_rows,
@@ -692,18 +758,21 @@ def _line_of(tokens: Sequence[str], length: int, p: int) -> str:
 def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_args: Sequence[str] = (),
            cfg: FidelityConfig = FidelityConfig()) -> Dict[str, Any]:
     """The numbers behind docs/fidelity.md's answers to the papers' token-level claims, over the
-    complete trajectories of ``est`` (JSON-able):
+    complete trajectories of ``est`` whose true credit is not 0 everywhere (JSON-able). Where
+    several spans tie for the largest |c| they share the place (:func:`top_weights`).
 
-    * ``sparsity`` (PACT): per response, the share of ``sum |c|`` on its largest / first / last span;
-      the share of spans with ``|c| > 2 delta`` and with ``c < -delta``;
+    * ``sparsity`` (PACT): per response, the share of ``sum |c|`` on its largest / first / last
+      span, and the largest span's share for noise alone, ``(c_even - c_odd) / 2`` (the two
+      halves' difference: the estimate's noise, no signal); the share of spans with
+      ``|c| > 2 delta`` and with ``c < -delta``;
     * ``noise``: mean |c| per span against the standard error of V and of one span's c;
     * ``start_value``: V(h_0) of successful and failed responses (credit owed to the question);
     * ``last_span_c``: the mean true credit of the last span (answer line, end token);
     * ``largest_span_line``: in which line of the response the largest-|c| span opens;
-    * ``taco_tail`` (TACO): tail tokens (TACO's tail risk at its default alpha, on the batch's
-      log-probs and entropy; None without them) in successful responses, and the true credit of
-      spans with and without one; the same for the riskiest 5% of those tokens (TACO's premise
-      without its threshold);
+    * ``taco_tail`` (TACO, on the batch's log-probs and entropy; None without them): in
+      successful responses, tail tokens at TACO's default alpha, and the true credit of spans
+      with and without a token whose surprisal exceeds the entropy (``r_t > log alpha``: TACO's
+      risk without its threshold), with intervals that resample prompt groups;
     * ``placement``: per method, the share of its |A| on the span of largest |c| and on the last
       span (where the method puts its credit, against where c is).
     """
@@ -712,53 +781,59 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
 
     saved = est["rollouts"]
     sig = saved["signals"]
-    lengths, stride, rows, success = _scored_rows(est)
-    win = {b: success[b] for b in rows}
+    lengths, stride, scored, success = _scored_rows(est)
+    groups = torch.as_tensor(sig["group_ids"]).tolist()
     V = span_values(est)
-    c = {b: credit_spans(V[b]) for b in rows}
+    c = {b: credit_spans(V[b]) for b in scored}
+    rows = [b for b in scored if float(c[b].abs().sum()) > 0]  # c = 0 everywhere: nothing to place
+    win = {b: success[b] for b in rows}
+    Ve, Vo = span_values(est, "even"), span_values(est, "odd")
     mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")  # noqa: E731
+    top1 = {b: top_weights(c[b].abs(), 1) for b in rows}  # the largest-|c| span(s), ties shared
 
-    shares = {"largest": [], "first": [], "last": []}
+    def share(x, w):
+        return float((x.abs() * w).sum() / x.abs().sum())
+
+    noise = []
     for b in rows:
-        a = c[b].abs()
-        tot = float(a.sum())
-        if tot > 0:
-            shares["largest"].append(float(a.max()) / tot)
-            shares["first"].append(float(a[0]) / tot)
-            shares["last"].append(float(a[-1]) / tot)
-    cs = torch.cat([c[b] for b in rows])
-    se = torch.cat([standard_errors(est)[b] for b in rows])
-    lines: Dict[str, int] = {}
+        e = (credit_spans(Ve[b]) - credit_spans(Vo[b])) / 2
+        if float(e.abs().sum()) > 0:
+            noise.append(float(e.abs().max() / e.abs().sum()))
+    cs = torch.cat([c[b] for b in scored])
+    se = torch.cat([standard_errors(est)[b] for b in scored])
+    lines: Dict[str, float] = {}
     for b in rows:
-        where = _line_of(saved["tokens"][b], lengths[b], mc_positions(lengths[b], stride)[int(c[b].abs().argmax())])
-        lines[where] = lines.get(where, 0) + 1
+        pos = mc_positions(lengths[b], stride)
+        for j in torch.nonzero(top1[b]).flatten().tolist():
+            where = _line_of(saved["tokens"][b], lengths[b], pos[j])
+            lines[where] = lines.get(where, 0.0) + float(top1[b][j])
 
     alpha = TACOConfig().alpha
     taco_tail = None
     if sig.get("logprobs") is not None and sig.get("entropy") is not None:  # what TACO reads
         lp, H = torch.as_tensor(sig["logprobs"]).double(), torch.as_tensor(sig["entropy"]).double()
         risk = {b: tail_risk(lp[b, : lengths[b]], H[b, : lengths[b]], alpha) for b in rows if win[b]}
-        # TACO's premise without its threshold: the riskiest tokens (top 5% of r_t) of successful responses
-        top = float(torch.quantile(torch.cat(list(risk.values())), 0.95)) if risk else float("nan")
 
-        def split(flagged):
-            has, hasnt = [], []
+        def split(threshold):
+            out = {True: ([], []), False: ([], [])}  # flagged -> (c values, their groups)
             for b, r in risk.items():
                 for j, p in enumerate(mc_positions(lengths[b], stride)):
-                    (has if bool(flagged(r[p: p + stride]).any()) else hasnt).append(float(c[b][j]))
-            return has, hasnt
+                    vals, gs = out[bool((r[p: p + stride] > threshold).any())]
+                    vals.append(float(c[b][j]))
+                    gs.append(groups[b])
+            return out
 
-        def spans(xs):
-            return {"n": len(xs), "mean_c": mean(xs), "share_below_minus_delta": mean([float(x < -cfg.delta) for x in xs]),
-                    "share_above_delta": mean([float(x > cfg.delta) for x in xs])}
+        def spans(vals, gs):
+            return {"n": len(vals), "mean_c": bootstrap_mean(vals, cfg, gs),
+                    "share_below_minus_delta": mean([float(x < -cfg.delta) for x in vals]),
+                    "share_above_delta": mean([float(x > cfg.delta) for x in vals])}
 
-        with_tail, without = split(lambda r: r > 0)
-        with_top, without_top = split(lambda r: r >= top)
+        tail, above = split(0.0), split(math.log(alpha))
         taco_tail = {"alpha": alpha, "tail_tokens": int(sum(int((r > 0).sum()) for r in risk.values())),
+                     "surprisal_above_entropy_tokens": int(sum(int((r > math.log(alpha)).sum()) for r in risk.values())),
                      "tokens": int(sum(lengths[b] for b in risk)),
-                     "spans_with_tail": spans(with_tail), "spans_without_tail": spans(without),
-                     "riskiest_5pct_threshold": top,
-                     "spans_with_riskiest": spans(with_top), "spans_without_riskiest": spans(without_top)}
+                     "spans_with_tail": spans(*tail[True]), "spans_without_tail": spans(*tail[False]),
+                     "spans_surprisal_above_entropy": spans(*above[True]), "spans_other": spans(*above[False])}
 
     placement = {}
     for v in replay(saved, list(specs), credit_args=credit_args).views:
@@ -766,30 +841,33 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
             continue
         top, last = [], []
         for b in rows:
-            a = span_sums(v.advantages[b], lengths[b], stride).abs()
-            if float(a.sum()) == 0:  # a group without a learning signal (GRPO-family A = 0)
+            a = span_sums(v.advantages[b], lengths[b], stride)
+            if float(a.abs().sum()) == 0:  # a group without a learning signal (GRPO-family A = 0)
                 continue
-            top.append(float(a[int(c[b].abs().argmax())] / a.sum()))
-            last.append(float(a[-1] / a.sum()))
+            top.append(share(a, top1[b]))
+            last.append(share(a, torch.nn.functional.one_hot(torch.tensor(a.numel() - 1), a.numel()).double()))
         placement[v.spec] = {"n": len(top), "on_largest_c_span": mean(top), "on_last_span": mean(last)}
 
     return {
         "trajectories": len(rows),
+        "zero_credit_trajectories": len(scored) - len(rows),
         "successful": sum(win.values()),
         "stride": stride,
         "delta": cfg.delta,
         "sparsity": {"spans_per_response": mean([c[b].numel() for b in rows]),
-                     "largest_span_share": mean(shares["largest"]), "first_span_share": mean(shares["first"]),
-                     "last_span_share": mean(shares["last"]),
+                     "largest_span_share": mean([float(c[b].abs().max() / c[b].abs().sum()) for b in rows]),
+                     "largest_span_share_noise_only": mean(noise),
+                     "first_span_share": mean([float(c[b][0].abs() / c[b].abs().sum()) for b in rows]),
+                     "last_span_share": mean([float(c[b][-1].abs() / c[b].abs().sum()) for b in rows]),
                      "share_abs_c_above_2delta": float((cs.abs() > 2 * cfg.delta).double().mean()),
                      "share_c_below_minus_delta": float((cs < -cfg.delta).double().mean())},
         "noise": {"mean_abs_c": float(cs.abs().mean()), "mean_se_v": float(se.mean()),
                   "se_span_c": math.sqrt(2) * float(se.mean())},
-        "start_value": {"all": mean([float(V[b][0]) for b in rows]),
-                        "successes": mean([float(V[b][0]) for b in rows if win[b]]),
-                        "failures": mean([float(V[b][0]) for b in rows if not win[b]])},
-        "last_span_c": {"successes": mean([float(c[b][-1]) for b in rows if win[b]]),
-                        "failures": mean([float(c[b][-1]) for b in rows if not win[b]])},
+        "start_value": {"all": mean([float(V[b][0]) for b in scored]),
+                        "successes": mean([float(V[b][0]) for b in scored if success[b]]),
+                        "failures": mean([float(V[b][0]) for b in scored if not success[b]])},
+        "last_span_c": {"successes": mean([float(c[b][-1]) for b in scored if success[b]]),
+                        "failures": mean([float(c[b][-1]) for b in scored if not success[b]])},
         "largest_span_line": dict(sorted(lines.items(), key=lambda kv: (kv[0] == "last line", kv[0]))),
         "taco_tail": taco_tail,
         "placement": placement,
@@ -800,32 +878,29 @@ def format_claims(cl: Dict[str, Any]) -> str:
     sp, no, sv, tt = cl["sparsity"], cl["noise"], cl["start_value"], cl["taco_tail"]
     d, unit = cl["delta"], ("token" if cl["stride"] == 1 else "span")
     out = [
-        f"numbers behind the claims ({cl['trajectories']} complete trajectories, {cl['successful']} successful; credit per {unit})",
-        f"  sparsity: {sp['spans_per_response']:.1f} {unit}s per response; share of sum |c| on the largest {sp['largest_span_share']:.2f}, "
-        f"first {sp['first_span_share']:.2f}, last {sp['last_span_share']:.2f}; {unit}s with |c| > {2 * d:g}: {sp['share_abs_c_above_2delta']:.2f}, "
-        f"with c < -{d:g}: {sp['share_c_below_minus_delta']:.2f}",
+        f"numbers behind the claims ({cl['trajectories']} complete trajectories with some true credit, {cl['successful']} "
+        f"successful; {cl['zero_credit_trajectories']} with c = 0 everywhere left out; credit per {unit}; ties share a place)",
+        f"  sparsity: {sp['spans_per_response']:.1f} {unit}s per response; share of sum |c| on the largest {sp['largest_span_share']:.2f} "
+        f"(noise alone: {sp['largest_span_share_noise_only']:.2f}), first {sp['first_span_share']:.2f}, last {sp['last_span_share']:.2f}; "
+        f"{unit}s with |c| > {2 * d:g}: {sp['share_abs_c_above_2delta']:.2f}, with c < -{d:g}: {sp['share_c_below_minus_delta']:.2f}",
         f"  noise: mean |c| {no['mean_abs_c']:.3f}; mean SE of V {no['mean_se_v']:.3f} (SE of one {unit}'s c ~ {no['se_span_c']:.3f})",
         f"  V(h_0): all {sv['all']:.2f}, successes {sv['successes']:.2f}, failures {sv['failures']:.2f}",
         f"  last {unit}'s c: successes {cl['last_span_c']['successes']:.3f}, failures {cl['last_span_c']['failures']:.3f}",
-        "  largest-|c| " + unit + " opens in: " + ", ".join(f"{k} {n}" for k, n in cl["largest_span_line"].items()),
+        "  largest-|c| " + unit + " opens in: " + ", ".join(f"{k} {n:.1f}" for k, n in cl["largest_span_line"].items()),
     ]
     if tt is None:
         out.append("  TACO tail tokens: not counted (the batch has no log-probs and entropy)")
     else:
-        w, wo = tt["spans_with_tail"], tt["spans_without_tail"]
-        out.append(
-            f"  TACO tail tokens (alpha {tt['alpha']:g}) in successful responses: {tt['tail_tokens']} of {tt['tokens']}; "
-            f"{unit}s with one: n {w['n']}, mean c {w['mean_c']:.3f}, share c < -{d:g} {w['share_below_minus_delta']:.2f}; "
-            f"without: n {wo['n']}, mean c {wo['mean_c']:.3f}, share c < -{d:g} {wo['share_below_minus_delta']:.2f}")
-        w, wo = tt["spans_with_riskiest"], tt["spans_without_riskiest"]
-        out.append(
-            f"  riskiest 5% of their tokens (tail risk r >= {tt['riskiest_5pct_threshold']:.2f}): {unit}s with one: n {w['n']}, "
-            f"mean c {w['mean_c']:.3f}, share c < -{d:g} {w['share_below_minus_delta']:.2f}, > {d:g} {w['share_above_delta']:.2f}; "
-            f"without: n {wo['n']}, mean c {wo['mean_c']:.3f}, share c < -{d:g} {wo['share_below_minus_delta']:.2f}, "
-            f"> {d:g} {wo['share_above_delta']:.2f}")
-    out += [
-        f"  where each method's |A| goes (share on the largest-|c| {unit}, on the last {unit}; n = trajectories with A != 0):",
-    ]
+        def sp_(x):
+            return (f"n {x['n']}, mean c {_fmt(x['mean_c'])}, share c < -{d:g} {x['share_below_minus_delta']:.2f}, "
+                    f"> {d:g} {x['share_above_delta']:.2f}")
+
+        out += [
+            f"  TACO tail tokens (alpha {tt['alpha']:g}) in successful responses: {tt['tail_tokens']} of {tt['tokens']}",
+            f"  their tokens with surprisal above the entropy: {tt['surprisal_above_entropy_tokens']}; {unit}s with one: "
+            f"{sp_(tt['spans_surprisal_above_entropy'])}; other {unit}s: {sp_(tt['spans_other'])}",
+        ]
+    out.append(f"  where each method's |A| goes (share on the largest-|c| {unit}, on the last {unit}; n = trajectories with A != 0):")
     width = max(len(k) for k in cl["placement"]) + 2 if cl["placement"] else 8
     for spec, pl in cl["placement"].items():
         out.append(f"    {spec.ljust(width)}{pl['on_largest_c_span']:.2f}  {pl['on_last_span']:.2f}  (n {pl['n']})")
@@ -848,20 +923,28 @@ def format_table(res: Dict[str, Any]) -> str:
     lines = [
         f"credit fidelity: {res['trajectories']} trajectories"
         + (f" (the complete ones of a batch of {res['batch_size']})" if res.get("batch_size", res["trajectories"]) > res["trajectories"] else "")
-        + f" ({res['successful']} successful), {res['positions']} {unit}, M = {s['M']} continuations per position, "
-        f"T = {s['temperature']}; mean SE of V = {res['v_se_mean']:.3f}; policy: {res['policy'] or '?'}",
-        f"metrics per trajectory, averaged, [{int(res['config']['level'] * 100)}% bootstrap over trajectories]; "
-        f"contamination: positive credit on c < -{res['config']['delta']} in successful responses",
+        + f" in {res.get('groups', '?')} prompt groups ({res['successful']} successful), {res['positions']} {unit}, "
+        f"M = {s['M']} continuations per position, T = {s['temperature']}; mean SE of V = {res['v_se_mean']:.3f}; "
+        f"policy: {res['policy'] or '?'}",
+        f"metrics per trajectory, averaged, [{int(res['config']['level'] * 100)}% bootstrap over prompt groups]; "
+        f"n: trajectories where the method gives credit (A != 0) and c != 0; contamination: positive credit on "
+        f"c < -{res['config']['delta']} in successful responses",
         "",
     ]
-    head = ("method", "pivotal mass", "sign agreement", "rank corr", "contamination")
+    head = ("method", "n", "pivotal mass", "sign agreement", "rank corr", "contamination")
     width = max(len(head[0]), *(len(r["method"]) for r in res["rows"])) + 2
-    lines.append(head[0].ljust(width) + "".join(h.ljust(22) for h in head[1:]))
+    lines.append(head[0].ljust(width) + head[1].rjust(3) + "  " + "".join(h.ljust(22) for h in head[2:]))
     for r in res["rows"]:
-        lines.append(r["method"].ljust(width) + "".join(_fmt(r[k]).ljust(22) for k in METRICS) + (f"  ({r['note']})" if r.get("note") else ""))
+        lines.append(r["method"].ljust(width) + str(r["sign_agreement"]["n"]).rjust(3) + "  "
+                     + "".join(_fmt(r[k]).ljust(22) for k in METRICS) + (f"  ({r['note']})" if r.get("note") else ""))
     for sk in res["skipped"]:
         why = ("missing " + ", ".join(sk["missing"])) if sk["missing"] else sk["error"]
         lines.append(f"not scored: {sk['spec']} ({why})")
+    pr = res.get("perfect_rank_corr") or {}
+    if pr:
+        lines.append(
+            f"rank correlation that perfect credit would reach against this estimate (Spearman-Brown from split-half): "
+            f"{pr['all']:.2f} on all trajectories, {pr['mixed']:.2f} on the mixed groups")
     return "\n".join(lines)
 
 
