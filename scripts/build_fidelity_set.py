@@ -59,22 +59,25 @@ def parse():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--rollouts-from", default=None,
+                   help="take the scored batch from this estimates file instead of sampling one (the policy is retrained "
+                        "with the same settings and checked against the batch's behaviour log-probs): e.g. the per-token set "
+                        "of the bundled batch")
+    p.add_argument("--rows", default="all",
+                   help="which responses to estimate: all, mixed (the prompt groups with both outcomes, where "
+                        "group-relative methods give credit), mixed:N (the first N such groups) or comma-separated indices")
+    p.add_argument("--critic-runs", default=None,
+                   help="instead of building: train a run of each of these methods with a critic (comma-separated, "
+                        "e.g. gae) with the same settings and seed, and store its critic evaluated on the batch of "
+                        "--output in that file (`tokencredit fidelity critic`), so the method is scored with its own run's critic")
     return p.parse_args()
 
 
-def main() -> int:
-    a = parse()
-    torch.set_num_threads(a.threads)
+def train_config(a, credit: str, output_dir: Path):
     from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-    from tokencredit.fidelity import build_estimates, load_estimates, score, format_table
-    from tokencredit.tasks import score_safely
-    from tokencredit.trainer import Trainer
 
-    work = Path(a.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    cfg = TrainConfig(
-        credit=a.credit, steps=a.steps, seed=a.seed, threads=a.threads, output_dir=str(work / "run"),
+    return TrainConfig(
+        credit=credit, steps=a.steps, seed=a.seed, threads=a.threads, output_dir=str(output_dir),
         model=ModelConfig(lora=True),
         task=TaskConfig(name=a.task, n_eval=8),
         rollout=RolloutConfig(prompts_per_step=a.train_prompts, samples_per_prompt=a.samples,
@@ -82,6 +85,52 @@ def main() -> int:
         optim=OptimConfig(lr=a.lr, micro_batch_size=16),
         log=LogConfig(eval_every=10_000, eval_samples=0, eval_at_start=False, progress=True),
     )
+
+
+def critic_runs(a, work: Path) -> int:
+    """Train a run of each ``--critic-runs`` method and attach its critic to ``--output``."""
+    from tokencredit import fidelity
+    from tokencredit.checkpoint import latest_checkpoint
+    from tokencredit.trainer import Trainer
+
+    for credit in a.critic_runs.split(","):
+        run = work / f"run_{credit}"
+        t0 = time.perf_counter()
+        if latest_checkpoint(run / "checkpoints") is None:
+            Trainer(train_config(a, credit, run)).train()
+        print(f"{credit} run: {time.perf_counter() - t0:.0f} s", flush=True)
+        fidelity.main(["critic", a.output, str(run)])
+    print(fidelity.format_table(fidelity.score(fidelity.load_estimates(a.output))))
+    return 0
+
+
+def chosen_rows(spec: str, saved) -> list:
+    """The response indices ``--rows`` names."""
+    rewards = torch.as_tensor(saved["signals"]["rewards"]).tolist()
+    groups = torch.as_tensor(saved["signals"]["group_ids"]).tolist()
+    if spec == "all":
+        return list(range(len(rewards)))
+    if spec.startswith("mixed"):
+        n = int(spec.split(":", 1)[1]) if ":" in spec else None
+        order = list(dict.fromkeys(groups))
+        mixed = [g for g in order if len({r for r, gg in zip(rewards, groups) if gg == g}) > 1][:n]
+        return [b for b, g in enumerate(groups) if g in set(mixed)]
+    return [int(x) for x in spec.split(",")]
+
+
+def main() -> int:
+    a = parse()
+    torch.set_num_threads(a.threads)
+    from tokencredit.fidelity import build_estimates, format_table, load_estimates, sample_batch, score
+    from tokencredit.tasks import score_safely
+    from tokencredit.trainer import Trainer
+
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if a.critic_runs:
+        return critic_runs(a, work)
+    cfg = train_config(a, a.credit, work / "run")
     trainer = Trainer(cfg)
     rollouts, policy = work / "rollouts.pt", work / "policy.pt"
     if rollouts.exists() and policy.exists():
@@ -93,22 +142,21 @@ def main() -> int:
         saved = torch.load(rollouts, map_location="cpu", weights_only=True)
         print(f"resuming from {rollouts}", flush=True)
         train_s = float(json.loads((work / "cost.json").read_text())["train_s"])
+    elif a.rollouts_from:
+        # the batch of an existing estimates file, sampled by the policy this run retrains;
+        # build_estimates' check_policy refuses it if the retrained policy is not that one
+        trainer.train()
+        saved = load_estimates(a.rollouts_from, require_complete=False)["rollouts"]
+        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}, policy)
+        torch.save(saved, rollouts)
+        train_s = time.perf_counter() - t0
+        (work / "cost.json").write_text(json.dumps({"train_s": train_s}))
     else:
         trainer.train()
         # one more step at lr 0: the trainer's own batch, signals and credit, weights unchanged
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-        trainer.cfg.rollout.prompts_per_step = a.prompts
-        trainer.cfg.log.eval_every = 1
-        trainer.cfg.log.save_rollouts = True
-        for g in trainer.optimizer.param_groups:
-            g["lr"] = 0.0
-        trainer.train_step()
-        trainer.step += 1
-        after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
-        assert all(torch.equal(before[n], after[n]) for n in before), "lr 0 changed the weights"
-        trainer._save_rollouts(rollouts)
-        torch.save(before, policy)
-        saved = torch.load(rollouts, map_location="cpu", weights_only=True)
+        saved = sample_batch(trainer, a.prompts)
+        torch.save(saved, rollouts)
+        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}, policy)
         train_s = time.perf_counter() - t0
         (work / "cost.json").write_text(json.dumps({"train_s": train_s}))
     task = trainer.task
@@ -132,7 +180,7 @@ def main() -> int:
         max_new_tokens=a.max_new_tokens, rows_per_batch=a.rows_per_batch, seed=a.seed,
         baseline_batches=a.baseline_batches,
         policy=f"SmolLM2-135M-Instruct + LoRA after {a.steps} steps of {a.credit} on {a.task} (lr {a.lr})",
-        max_seconds=None if a.max_minutes is None else a.max_minutes * 60,
+        max_seconds=None if a.max_minutes is None else a.max_minutes * 60, rows=chosen_rows(a.rows, saved),
     )
     est["build"]["train_s"] = train_s
     est["build"]["threads"] = a.threads

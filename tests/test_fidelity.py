@@ -460,3 +460,160 @@ def test_uniform_credit_has_no_rank_correlation_even_with_a_short_last_span():
     res = _row_scores([(sums, c, True, True)], FidelityConfig(n_boot=10))
     assert res["rank_corr"]["n"] == 0 and res["sign_agreement"]["n"] == 1
 
+
+
+# ---------------------------------------------------------------------------------------
+# a subset of rows; a critic of its own run
+
+
+def test_rows_estimates_only_those_responses_and_a_later_build_extends_the_file(tmp_path):
+    world = TabularWorld(eos=True, seed=1)
+    # one prefix per generate call (rows_per_batch = M): each position's seed is its own, so a
+    # build in two parts draws the same continuations as one build
+    full, saved, seqs = build_world(tmp_path, world, 8, name="full.pt", rows_per_batch=8)
+    part, _, _ = build_world(tmp_path, world, 8, name="part.pt", rows_per_batch=8, rows=[1, 3])
+    done = ~torch.isnan(part["samples"][..., 0])
+    assert done[[1, 3]].any(dim=1).all() and not done[[b for b in range(len(seqs)) if b not in (1, 3)]].any()
+    assert torch.equal(part["samples"][[1, 3]].nan_to_num(-1), full["samples"][[1, 3]].nan_to_num(-1))
+    assert load_estimates(tmp_path / "part.pt")["samples"].shape == full["samples"].shape  # 2 complete rows: scorable
+    res = score(load_estimates(tmp_path / "part.pt"), ["grpo"], cfg=FidelityConfig(n_boot=20))
+    assert res["trajectories"] <= 2
+    ext, _, _ = build_world(tmp_path, world, 8, name="part.pt", rows_per_batch=8)
+    assert torch.equal(ext["samples"].nan_to_num(-1), full["samples"].nan_to_num(-1))
+    with pytest.raises(FidelityError, match=r"rows: expected distinct response indices in 0\.\.\d+, got \[0, 0\]"):
+        build_world(tmp_path, world, 8, name="bad.pt", rows=[0, 0])
+
+
+def test_a_method_is_scored_with_the_critic_attached_for_it(tmp_path):
+    from tokencredit.fidelity import attach_critic
+
+    world = TabularWorld(eos=True, seed=0)
+    est, saved, seqs = build_world(tmp_path, world, 2)
+    exact = exact_values(world, seqs)
+    for b, s in enumerate(seqs):
+        for t in range(len(s)):
+            est["samples"][b, t] = exact[b][t]
+    T = saved["signals"]["response_mask"].shape[1]
+    # the batch's own critic knows nothing (constant 0.5); the attached one is the exact V
+    est["rollouts"]["signals"]["values"] = torch.full((len(seqs), T + 1), 0.5)
+    good = torch.full((len(seqs), T + 1), 0.5)
+    for b, s in enumerate(seqs):
+        good[b, : len(s)] = exact[b][:-1].float()
+    args = ("pact.mode=credit",)
+    cfg = FidelityConfig(n_boot=20, delta=0.0)
+    own = {r["method"]: r for r in score(est, ["pact"], credit_args=args, cfg=cfg)["rows"]}["pact"]
+    assert own["rank_corr"]["mean"] < 0.99
+    est2 = attach_critic(est, "pact", good, "critic of a test run")
+    res = {r["method"]: r for r in score(est2, ["pact", "grpo"], credit_args=args, cfg=cfg)["rows"]}
+    assert res["pact"]["rank_corr"]["mean"] == pytest.approx(1.0)
+    assert res["pact"]["sign_agreement"]["mean"] == pytest.approx(1.0)
+    assert res["pact"]["note"] == "critic of a test run"
+    assert res["grpo"]["note"] is None
+    # a critic for gae does not change pact's row
+    est3 = attach_critic(est, "gae", good, "gae's")
+    assert {r["method"]: r for r in score(est3, ["pact"], credit_args=args, cfg=cfg)["rows"]}["pact"]["rank_corr"] == own["rank_corr"]
+    with pytest.raises(FidelityError, match=r"values: expected finite \[\d+, 4\]"):
+        attach_critic(est, "gae", good[:, :2], "x")
+
+
+def _tiny_run(tmp_path, credit, steps=2):
+    from tokencredit.config import LogConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.testing import tiny_model_and_tokenizer
+    from tokencredit.trainer import Trainer
+
+    cfg = TrainConfig(
+        credit=credit, steps=steps, seed=0, save_every=1, output_dir=str(tmp_path / credit),
+        task=TaskConfig(name="add1", n_train=16, n_eval=2, reward_fn="test_reliability:crc_reward"),
+        rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4),
+        optim=OptimConfig(micro_batch_size=4),
+        log=LogConfig(eval_every=1, eval_samples=1, eval_at_start=False, progress=False),
+    )
+    cfg.model.name = "tiny"
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    Trainer(cfg, model=model, tokenizer=tok).train()
+    return tmp_path / credit
+
+
+def test_build_from_a_run_and_its_critic_reproduce_the_saved_batch(tmp_path, monkeypatch):
+    """End to end on a tiny gae run: `fidelity build RUN` estimates the batch of the last step
+    from the checkpoint before it, and `fidelity critic` evaluated at that checkpoint gives back
+    exactly the values the run saved with the batch (the same states, the same head)."""
+    import tokencredit.models as models
+    from tokencredit.cli import main
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+    run = _tiny_run(tmp_path, "gae")
+    est_file = tmp_path / "est.pt"
+    assert main(["fidelity", "build", str(run), "-o", str(est_file), "-M", "2", "--threads", "1"]) == 0
+    est = load_estimates(est_file)
+    saved_values = est["rollouts"]["signals"]["values"]
+    assert est["build"]["policy_logprob_diff"] < 1e-4  # the checkpoint before the batch sampled it
+    ck = run / "checkpoints" / f"step_{int(est['rollouts']['step']) - 1:08d}"
+    assert main(["fidelity", "critic", str(est_file), str(run), "--checkpoint", str(ck), "-o", str(tmp_path / "c.pt")]) == 0
+    got = load_estimates(tmp_path / "c.pt")["critics"]["gae"]
+    mask = est["rollouts"]["signals"]["response_mask"].bool()
+    L = mask.sum(1)
+    for b in range(mask.shape[0]):
+        assert got["values"][b, : L[b] + 1].tolist() == pytest.approx(saved_values[b, : L[b] + 1].tolist(), abs=1e-4)
+    assert "critic of a gae run" in got["source"]
+    # the latest checkpoint's critic was trained one step further: other values
+    assert main(["fidelity", "critic", str(est_file), str(run)]) == 0
+    latest = load_estimates(est_file)["critics"]["gae"]["values"]
+    assert not torch.allclose(latest, got["values"])
+    # a run without a critic is refused in one line
+    grpo = _tiny_run(tmp_path, "grpo", steps=1)
+    with pytest.raises(SystemExit, match=r"tokencredit fidelity critic: RUN: expected a checkpoint with a critic"):
+        main(["fidelity", "critic", str(est_file), str(grpo)])
+
+
+def test_build_samples_its_own_batch_from_a_model_and_task_and_resumes(tmp_path, monkeypatch):
+    import tokencredit.models as models
+    from tokencredit.cli import main
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+    out = tmp_path / "est.pt"
+    argv = ["fidelity", "build", "--model", "tiny", "--task", "add1", "--prompts", "2", "--samples", "2",
+            "--max-new-tokens", "4", "-M", "2", "-o", str(out), "--threads", "1"]
+    assert main(argv + ["--lora"]) == 0
+    est = load_estimates(out)
+    sig = est["rollouts"]["signals"]
+    assert sig["rewards"].shape == (4,) and not torch.isnan(est["samples"][0, 0]).any()
+    # every signal a replay needs, from the trainer's own step (LoRA: the adapter residual too)
+    for k in ("logprobs", "entropy", "mode_prob", "hidden_residual", "ref_logprobs", "oracle_logprobs"):
+        assert sig.get(k) is not None, k
+    assert est["build"]["policy_logprob_diff"] < 1e-4
+    before = est["samples"].clone()
+    assert main(argv + ["--lora"]) == 0  # resumed: nothing left to do, the same samples
+    assert torch.equal(load_estimates(out)["samples"].nan_to_num(-1), before.nan_to_num(-1))
+    with pytest.raises(SystemExit, match=r"ESTIMATES: .* samples tiny on add1; expected tiny on mult1"):
+        main([a if a != "add1" else "mult1" for a in argv])
+    with pytest.raises(SystemExit, match="expected a run's rollouts or --task"):
+        main(["fidelity", "build", "-o", str(tmp_path / "x.pt")])
+    with pytest.raises(SystemExit, match="expected no --model with ROLLOUTS"):
+        main(["fidelity", "build", str(tmp_path), "--model", "tiny", "-o", str(tmp_path / "x.pt")])
+
+
+def test_sample_batch_keeps_every_signal_and_leaves_the_weights(tmp_path):
+    """Mid-run (a step that would not save its rollouts) the batch still carries every signal a
+    replay needs, and the step at learning rate 0 changes no weight, the learning rate restored."""
+    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.fidelity import sample_batch
+    from tokencredit.testing import tiny_model_and_tokenizer
+    from tokencredit.trainer import Trainer
+
+    cfg = TrainConfig(credit="grpo", steps=50, seed=0, output_dir=str(tmp_path / "r"), model=ModelConfig(name="tiny", lora=True),
+                      task=TaskConfig(name="add1", n_train=16, n_eval=2, reward_fn="test_reliability:crc_reward"),
+                      rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4),
+                      optim=OptimConfig(micro_batch_size=4, lr=0.5), log=LogConfig(eval_every=7, save_rollouts=False, progress=False))
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    tr = Trainer(cfg, model=model, tokenizer=tok)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    lrs = [g["lr"] for g in tr.optimizer.param_groups]
+    saved = sample_batch(tr, 3)
+    assert saved["signals"]["rewards"].shape == (6,) and saved["step"] == 1
+    for k in ("entropy", "mode_prob", "oracle_logprobs", "ref_logprobs", "hidden_residual"):
+        assert saved["signals"].get(k) is not None, k
+    assert all(torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
+    assert [g["lr"] for g in tr.optimizer.param_groups] == lrs and lrs[0] > 0

@@ -183,9 +183,12 @@ def _check_run(trainer, credit, config=None, steps=2):
         assert torch.equal(batch.response_mask.bool(), out["completion_mask"].bool())
         # exactly the declared signals are computed, and they match an independent forward pass
         core = CreditPipeline(credit, dict(config or {}))
+        # (old_logprobs rides along, checked below; a spec may also declare it: TACO's AR-Lopti)
         present = {s for s in TOKEN_SIGNALS if getattr(batch, s) is not None} - {"old_logprobs"}
-        assert present == set(core.required_signals)
+        assert present == set(core.required_signals) - {"old_logprobs"}
         assert set(rec["expected"]) == present
+        if "old_logprobs" in core.required_signals:
+            assert batch.old_logprobs is not None
         # the pre-update log-probs ride along as old_logprobs (AR-Lopti reads them): TRL's
         # generation-time pass when it ran one, else the policy pass's
         trl_old = rec["out"].get("old_per_token_logps")

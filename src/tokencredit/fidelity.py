@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -54,13 +55,16 @@ __all__ = [
     "REFERENCE_SET",
     "REFERENCE_TOKENS",
     "batch_fingerprint",
+    "attach_critic",
     "build_estimates",
     "check_policy",
+    "critic_values",
     "claims",
     "credit_spans",
     "format_claims",
     "load_estimates",
     "main",
+    "sample_batch",
     "sample_continuations",
     "score",
     "span_values",
@@ -223,29 +227,18 @@ def check_policy(model, tokenizer, saved: Dict[str, Any], temperature: float, *,
     top = max((max(r) for r in rows if r), default=0)
     if vocab and top >= vocab:
         raise FidelityError(f"ROLLOUTS: the batch is from another model: token id {top} >= this model's vocabulary size {vocab}")
-    prompts = _prompt_rows(saved, tokenizer)
     diffs = []
     device = next(model.parameters()).device
     was = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for s in range(0, len(rows), 16):
-                ps, rs = prompts[s: s + 16], rows[s: s + 16]
-                P, T = max(len(p) for p in ps), max(max(len(r) for r in rs), 1)
-                pad = int(tokenizer.pad_token_id)
-                ids = torch.full((len(ps), P + T), pad, dtype=torch.long)
-                att = torch.zeros_like(ids)
-                for i, (p, r) in enumerate(zip(ps, rs)):
-                    ids[i, P - len(p): P] = torch.as_tensor(p)
-                    att[i, P - len(p): P] = 1
-                    ids[i, P: P + len(r)] = torch.as_tensor(r, dtype=torch.long)
-                    att[i, P: P + len(r)] = 1
+            for s0, ids, att, P, rs in _batch_inputs(saved, tokenizer, 16):
                 _, logits = forward_response(model, ids.to(device), att.to(device), P)
                 lp = token_signals(logits, ids[:, P:].to(device), temperature=temperature if temperature > 0 else 1.0,
                                    want=("logprobs",))["logprobs"].cpu()
                 for i, r in enumerate(rs):
-                    diffs.append((lp[i, : len(r)] - torch.as_tensor(behaviour)[s + i, : len(r)].float()).abs())
+                    diffs.append((lp[i, : len(r)] - torch.as_tensor(behaviour)[s0 + i, : len(r)].float()).abs())
     finally:
         model.train(was)
     d = float(torch.cat(diffs).mean()) if diffs else 0.0
@@ -253,6 +246,62 @@ def check_policy(model, tokenizer, saved: Dict[str, Any], temperature: float, *,
         raise FidelityError(f"ROLLOUTS: the batch was not sampled from this model: mean |log-prob - saved behaviour log-prob| "
                             f"= {d:.3f} nats > {tol} (another model, adapter or temperature?)")
     return d
+
+
+def _batch_inputs(saved: Dict[str, Any], tokenizer, chunk: int):
+    """The saved batch as model inputs, ``chunk`` rows at a time: yields ``(first row, input_ids,
+    attention_mask, P, response rows)`` with left-padded prompts of width P, then the responses."""
+    rows = response_rows(saved)
+    prompts = _prompt_rows(saved, tokenizer)
+    pad = int(tokenizer.pad_token_id)
+    for s in range(0, len(rows), chunk):
+        ps, rs = prompts[s: s + chunk], rows[s: s + chunk]
+        P, T = max(len(p) for p in ps), max(max(len(r) for r in rs), 1)
+        ids = torch.full((len(ps), P + T), pad, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            ids[i, P - len(p): P] = torch.as_tensor(p)
+            att[i, P - len(p): P] = 1
+            ids[i, P: P + len(r)] = torch.as_tensor(r, dtype=torch.long)
+            att[i, P: P + len(r)] = 1
+        yield s, ids, att, P, rs
+
+
+@torch.no_grad()
+def critic_values(model, head, tokenizer, saved: Dict[str, Any], *, sigmoid: bool, chunk: int = 16) -> torch.Tensor:
+    """``[B, T+1]`` values of a critic (``head``, a value head on ``model``'s final hidden states,
+    as the trainer's critic) on the saved batch's states: the state before every response token
+    and after the last one, as ``CreditBatch.values``; 0 beyond a response's end. ``sigmoid`` for
+    a critic whose values are probabilities (PACT's)."""
+    from .forward import forward_response
+
+    rows = response_rows(saved)
+    T = int(torch.as_tensor(saved["signals"]["response_mask"]).shape[1])
+    out = torch.zeros(len(rows), T + 1)
+    device = next(model.parameters()).device
+    was = model.training
+    model.eval()
+    try:
+        for s0, ids, att, P, rs in _batch_inputs(saved, tokenizer, chunk):
+            h, _ = forward_response(model, ids.to(device), att.to(device), P, hidden=True)
+            v = head(h).squeeze(-1).float().cpu()
+            v = torch.sigmoid(v) if sigmoid else v
+            for i, r in enumerate(rs):
+                out[s0 + i, : len(r) + 1] = v[i, : len(r) + 1]
+    finally:
+        model.train(was)
+    return out
+
+
+def attach_critic(est: Dict[str, Any], method: str, values: torch.Tensor, source: str) -> Dict[str, Any]:
+    """``est`` with ``values`` [B, T+1] as the critic ``method`` (e.g. ``gae``) is scored with
+    (``score`` replays specs with that estimator on these values instead of the batch's own)."""
+    B = len(_lengths(est["rollouts"]))
+    T = int(torch.as_tensor(est["rollouts"]["signals"]["response_mask"]).shape[1])
+    v = torch.as_tensor(values).float()
+    if tuple(v.shape) != (B, T + 1) or not torch.isfinite(v).all():
+        raise FidelityError(f"values: expected finite [{B}, {T + 1}] for the batch, got {tuple(v.shape)}")
+    return dict(est, critics={**(est.get("critics") or {}), method: {"values": v, "source": str(source)}})
 
 
 def _prompt_rows(saved: Dict[str, Any], tokenizer) -> List[List[int]]:
@@ -278,6 +327,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
                     M: int = 16, stride: int = 1, temperature: float, top_p: float = 1.0, max_new_tokens: int,
                     rows_per_batch: int = 128, seed: int = 0, policy: str = "", progress: bool = True,
                     check: bool = True, baseline_batches: int = 0, max_seconds: Optional[float] = None,
+                    rows: Optional[Sequence[int]] = None,
                     sampler: Optional[Callable[..., Tuple[List[List[List[int]]], int]]] = None) -> Dict[str, Any]:
     """Estimate ``V(h_t)`` at every ``stride``-th position of every response; write ``out``.
 
@@ -286,7 +336,9 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     timeout). An existing ``out`` of the same batch and settings is resumed; one of another
     batch or other settings is refused. ``baseline_batches`` > 0 also times plain ``generate``
     (no shared prefix) on the first that many batches' prefixes, for the throughput figure.
-    ``max_seconds`` stops (resumably) after that long. ``sampler(prefixes, M, budgets)`` replaces
+    ``max_seconds`` stops (resumably) after that long. ``rows``: estimate only these responses
+    (e.g. the groups with mixed outcomes; the others stay NaN, and a later build with more rows
+    extends the same file). ``sampler(prefixes, M, budgets)`` replaces
     :func:`sample_continuations` (a policy that is not a transformers model; tests); ``model`` is
     then unused. Returns the file's content."""
     from .inspector import check_rollouts
@@ -301,9 +353,12 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     fp = batch_fingerprint(saved)
     settings = {"M": int(M), "stride": int(stride), "temperature": float(temperature), "top_p": float(top_p),
                 "max_new_tokens": int(max_new_tokens), "seed": int(seed)}
-    rows = response_rows(saved)
-    B = len(rows)
-    T = max([len(r) for r in rows] + [1])
+    rows_ = response_rows(saved)
+    B = len(rows_)
+    T = max([len(r) for r in rows_] + [1])
+    chosen = list(range(B)) if rows is None else [int(b) for b in rows]
+    if len(set(chosen)) != len(chosen) or any(not 0 <= b < B for b in chosen):
+        raise FidelityError(f"rows: expected distinct response indices in 0..{B - 1}, got {list(rows)}")
     if out.exists():
         state = load_estimates(out, require_complete=False)
         if state["fingerprint"] != fp:
@@ -312,8 +367,8 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
             diff = {k: (state["settings"].get(k), v) for k, v in settings.items() if state["settings"].get(k) != v}
             raise FidelityError(f"ESTIMATES: {out} was built with other settings (file, now): {diff}")
     else:
-        if any(len(r) > max_new_tokens for r in rows):
-            raise FidelityError(f"max_new_tokens: expected >= the longest response ({max(len(r) for r in rows)}), got {max_new_tokens}")
+        if any(len(r) > max_new_tokens for r in rows_):
+            raise FidelityError(f"max_new_tokens: expected >= the longest response ({max(len(r) for r in rows_)}), got {max_new_tokens}")
         state = {"format": FORMAT, "fingerprint": fp, "settings": settings, "policy": policy, "rollouts": saved,
                  "samples": torch.full((B, T, M), float("nan")), "cont_tokens": torch.zeros((B, T), dtype=torch.long),
                  "build": {"seconds": 0.0, "cont_tokens": 0, "baseline": None, "failed": {"error": 0, "timeout": 0}}}
@@ -324,21 +379,26 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
         state["build"]["policy_logprob_diff"] = check_policy(model, tokenizer, saved, temperature)
     prompts = _prompt_rows(saved, tokenizer)
     samples, cont_tokens = state["samples"], state["cont_tokens"]
-    todo = [(b, t) for b in range(B) for t in mc_positions(len(rows[b]), stride) if torch.isnan(samples[b, t]).any()]
+    rows = rows_
+    # (rank among the chosen rows, row, position) of every position still to estimate
+    todo3 = [(k, b, t) for k, b in enumerate(chosen) for t in mc_positions(len(rows[b]), stride) if torch.isnan(samples[b, t]).any()]
     per = max(1, int(rows_per_batch) // M)
     # One generate call runs until its longest continuation ends, so a batch should hold
     # prefixes of one position t (similar budgets) rather than all positions of one response
     # (budgets from the whole response down to a few tokens: ~2x the decode steps). Groups of
     # ``per`` responses at a time, position by position: a build stopped half-way still has
     # complete trajectories (whole groups) to score.
-    todo.sort(key=lambda bt: (bt[0] // per, bt[1], bt[0]))
+    todo3.sort(key=lambda kbt: (kbt[0] // per, kbt[2], kbt[0]))
     chunks: List[List[Tuple[int, int]]] = []
-    for bt in todo:  # one chunk per (group, position): at most ``per`` prefixes
-        if chunks and (chunks[-1][0][0] // per, chunks[-1][0][1]) == (bt[0] // per, bt[1]):
-            chunks[-1].append(bt)
+    key = None
+    for k, b, t in todo3:  # one chunk per (group of chosen rows, position): at most ``per`` prefixes
+        if chunks and key == (k // per, t):
+            chunks[-1].append((b, t))
         else:
-            chunks.append([bt])
-    total = sum(len(mc_positions(len(r), stride)) for r in rows)
+            chunks.append([(b, t)])
+            key = (k // per, t)
+    todo = [bt for ch in chunks for bt in ch]
+    total = sum(len(mc_positions(len(rows[b]), stride)) for b in chosen)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, initial=total - len(todo), unit="pos", desc="fidelity build", disable=not progress, smoothing=0.1)
@@ -695,6 +755,7 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     critic_note = None
     if saved["signals"].get("values") is not None:
         critic_note = f"critic of the {saved.get('credit', '?')} run (step {saved.get('step', '?')}), saved with its rollouts"
+    views = _with_own_critics(est, insp.views, credit_args)
     out_rows = []
 
     def add(label, kind, pairs, rows, note=None):
@@ -708,11 +769,10 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     g = torch.Generator().manual_seed(cfg.seed)
     add("random", "reference", [(span_sums(torch.randn(lengths[b], generator=g, dtype=torch.float64), lengths[b], stride), c[b], success[b])
                                 for b in rows_idx], rows_idx, "i.i.d. normal credit")
-    for v in insp.views:
-        needs_critic = any(m in ("gae", "pact") for m in v.spec.split("+"))
+    for v, note in views:
         add(v.label, v.source, [(span_sums(v.advantages[b], lengths[b], stride), c[b], success[b],
                                  is_constant(v.advantages[b], lengths[b])) for b in rows_idx], rows_idx,
-            critic_note if needs_critic else None)
+            note if note is not None else (critic_note if _critic_method(v.spec) else None))
     se = torch.cat([s for b, s in enumerate(standard_errors(est)) if b in set(rows_idx)])
     cs = torch.cat([c[b] for b in rows_idx])
     ref = {r["method"]: r for r in out_rows}
@@ -745,6 +805,39 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
 #: the methods whose |A| placement :func:`claims` reports (when the batch can replay them)
 CLAIM_SPECS = ("grpo", "oppo", "grpo+taco", "grpo+stare", "grpo+acpo", "grpo+arca", "pact",
                "grpo+entropy", "grpo+surprisal", "grpo+divergence")
+
+
+def _critic_method(spec: str) -> Optional[str]:
+    """The method of ``spec`` that declares a critic (its estimator: gae, pact), or None."""
+    from .registry import UnknownMethodError, get_method
+
+    for name in spec.split("+"):
+        try:
+            if get_method(name.strip()).critic is not None:
+                return name.strip()
+        except UnknownMethodError:
+            pass
+    return None
+
+
+def _with_own_critics(est: Dict[str, Any], views, credit_args: Sequence[str]):
+    """``(view, note)`` per replayed view: a spec whose critic method has a critic of its own in
+    ``est["critics"]`` (:func:`attach_critic`) is replayed again on those values; the others keep
+    the batch's own (note None)."""
+    from .inspector import replay
+
+    critics = est.get("critics") or {}
+    out = []
+    for v in views:
+        m = _critic_method(v.spec) if v.source == "replayed" else None
+        if m in critics:
+            saved = dict(est["rollouts"], signals=dict(est["rollouts"]["signals"], values=critics[m]["values"]))
+            again = replay(saved, [v.spec], credit_args=credit_args, include_saved=False).views
+            if again:
+                out.append((again[0], critics[m]["source"]))
+                continue
+        out.append((v, None))
+    return out
 
 
 def _line_of(tokens: Sequence[str], length: int, p: int) -> str:
@@ -836,7 +929,7 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
                      "spans_surprisal_above_entropy": spans(*above[True]), "spans_other": spans(*above[False])}
 
     placement = {}
-    for v in replay(saved, list(specs), credit_args=credit_args).views:
+    for v, _ in _with_own_critics(est, replay(saved, list(specs), credit_args=credit_args).views, credit_args):
         if v.spec in placement:
             continue
         top, last = [], []
@@ -969,7 +1062,8 @@ def plot_responses(est: Dict[str, Any], path: str | Path, specs: Sequence[str] =
     pick = [b for b in pick if b is not None]
     pick += [b for b in cands if b not in pick][: max(0, n - len(pick))]
     c = token_credit(est)
-    views = [v for v in replay(saved, list(specs), credit_args=credit_args).views if v.source == "replayed"]
+    views = [v for v, _ in _with_own_critics(est, replay(saved, list(specs), credit_args=credit_args).views, credit_args)
+             if v.source == "replayed"]
     fig, axes = plt.subplots(len(pick), 1, figsize=(14, 3.2 * len(pick)), squeeze=False)
     for ax, b in zip(axes[:, 0], pick):
         L = lengths[b]
@@ -1035,58 +1129,93 @@ def _score_main(argv: List[str]) -> int:
 def _build_main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(
         prog="tokencredit fidelity build",
-        description="Monte Carlo V(h_t) for a run's saved rollout batch, from the checkpoint that sampled it")
-    p.add_argument("rollouts", help="a run directory (its latest eval/rollouts_step_*.pt) or a rollouts file inside one")
+        description="Monte Carlo V(h_t) for a run's saved rollout batch (from the checkpoint that sampled it), "
+                    "or for a batch it samples itself from --model on --task")
+    p.add_argument("rollouts", nargs="?", default=None,
+                   help="a run directory (its latest eval/rollouts_step_*.pt) or a rollouts file inside one; "
+                        "omit it to sample a batch from --model on --task")
     p.add_argument("-o", "--output", required=True, help="the estimates file (resumed when it exists)")
     p.add_argument("--checkpoint", default=None, help="the checkpoint folder of the policy that sampled the batch "
                    "(default: RUN/checkpoints/step_<S-1>, S the rollouts' step)")
     p.add_argument("-M", type=int, default=16, help="continuations per position (even)")
     p.add_argument("--stride", type=int, default=1, help="estimate every k-th position (credit compared per span)")
+    p.add_argument("--rows", default=None, help="estimate only these responses (comma-separated indices; default all)")
     p.add_argument("--rows-per-batch", type=int, default=128, help="prefixes x M per generate call (128: docs/fidelity.md)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
+    g = p.add_argument_group("sampling a batch (no ROLLOUTS): the trainer's own step at learning rate 0, every signal kept")
+    g.add_argument("--model", default=None, help="model name or path (default with --task: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--task", default=None, help="task name (e.g. chain, mult1)")
+    g.add_argument("--lora", action="store_true", help="give the model a (fresh) LoRA adapter, so ARCA's residual exists")
+    g.add_argument("--prompts", type=int, default=16)
+    g.add_argument("--samples", type=int, default=4, help="responses per prompt (the group size)")
+    g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--temperature", type=float, default=0.7)
     a = p.parse_args(argv)
     try:
-        return _build_from_run(a)
+        if (a.rollouts is None) == (a.task is None):
+            raise FidelityError(f"ROLLOUTS: expected a run's rollouts or --task (a batch to sample), got "
+                                f"{'both' if a.task else 'neither'}")
+        if a.rollouts is not None and a.model is not None:
+            raise FidelityError("--model: the policy of a run's rollouts is the run's own; expected no --model with ROLLOUTS")
+        return _build_from_run(a) if a.rollouts is not None else _build_from_task(a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"tokencredit fidelity build: {e}") from None
 
 
-def _build_from_run(a) -> int:
-    import dataclasses
+def _parse_rows(text: Optional[str]) -> Optional[List[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FidelityError(f"--rows: expected comma-separated response indices, got {text!r}") from None
 
+
+def _run_of(rollouts_file: Path) -> Path:
+    return rollouts_file.parent.parent if rollouts_file.parent.name == "eval" else rollouts_file.parent
+
+
+def _load_run(run: Path, checkpoint: Optional[Path], *, critic: bool = False):
+    """A run's config, its model (LoRA as configured) with a checkpoint's weights, the tokenizer
+    and, with ``critic``, the checkpoint's value head. ``checkpoint`` None: the initial weights."""
     from .checkpoint import load_checkpoint
     from .config import TrainConfig, _from_dict
-    from .inspector import find_rollouts, load_rollouts
-    from .models import add_lora, resolve_model
-    from .tasks import make_task, score_safely
+    from .models import ValueHead, add_lora, resolve_model
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    src = find_rollouts(a.rollouts)
-    run = src.parent.parent if src.parent.name == "eval" else src.parent
     cfg_file = run / "config.json"
     if not cfg_file.is_file():
-        raise FidelityError(f"ROLLOUTS: {src} is not inside a run directory with config.json (needed for the model, task and sampling settings)")
+        raise FidelityError(f"RUN: {run} is not a run directory with config.json (needed for the model, task and sampling settings)")
     cfg = _from_dict(TrainConfig, json.loads(cfg_file.read_text()), "config.json")
-    saved = load_rollouts(src)
-    step = int(saved.get("step") or 0)
-    ck = Path(a.checkpoint) if a.checkpoint else run / "checkpoints" / f"step_{step - 1:08d}"
+    sd = None
+    if checkpoint is not None:
+        if not checkpoint.exists():
+            raise FidelityError(f"--checkpoint: no checkpoint {checkpoint}")
+        sd = load_checkpoint(checkpoint)
+    if critic and (sd is None or sd.get("critic") is None):
+        raise FidelityError(f"RUN: expected a checkpoint with a critic (a run of gae or pact), got "
+                            f"{checkpoint if checkpoint is not None else 'none'} without one")
     model, tok = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
     if cfg.model.lora:
         model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
-    if step > 1 or a.checkpoint:
-        if not ck.exists():
-            raise FidelityError(f"--checkpoint: the batch of step {step} was sampled by the weights after step {step - 1}; "
-                                f"no checkpoint {ck} (pass --checkpoint, or save every step)")
-        sd = load_checkpoint(ck)
+    head = None
+    if sd is not None:
         params = dict(model.named_parameters())
         with torch.no_grad():
             for n, v in sd["model"].items():
                 if n not in params:
-                    raise FidelityError(f"--checkpoint: {ck} has weight {n!r} that this model lacks (another model?)")
+                    raise FidelityError(f"--checkpoint: {checkpoint} has weight {n!r} that this model lacks (another model?)")
                 params[n].copy_(v)
+        if critic:
+            head = ValueHead(int(model.config.hidden_size))
+            head.load_state_dict(sd["critic"])
+    return cfg, model, tok, head
+
+
+def _task_examples(cfg, saved: Dict[str, Any]):
+    from .tasks import make_task
+
     task = make_task(cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval,
                      path=cfg.task.path, reward_fn=cfg.task.reward_fn)
     by_q = {e.question: e for e in list(task.train) + list(task.eval)}
@@ -1094,24 +1223,171 @@ def _build_from_run(a) -> int:
     missing = [q for q in qs if q not in by_q]
     if missing or len(qs) != len(_lengths(saved)):
         raise FidelityError(f"ROLLOUTS: {len(missing)} question(s) not in task {cfg.task.name!r} (e.g. {missing[:1]!r}): another task?")
-    exs = [by_q[q] for q in qs]
+    return task, [by_q[q] for q in qs]
+
+
+def _estimate(a, cfg, model, tok, saved: Dict[str, Any], policy: str) -> int:
+    from .tasks import score_safely
+
+    task, exs = _task_examples(cfg, saved)
     saved = dict(saved, messages=[list(e.messages) for e in exs])
 
     def reward(text, b):
         return score_safely(task.reward, text, exs[b], cfg.task.reward_timeout_s)
 
-    t = cfg.rollout.temperature
-    build_estimates(saved, model, tok, reward, a.output, M=a.M, stride=a.stride, temperature=t,
+    build_estimates(saved, model, tok, reward, a.output, M=a.M, stride=a.stride, temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens, rows_per_batch=a.rows_per_batch,
-                    seed=a.seed, policy=f"{cfg.model.name}{' + LoRA' if cfg.model.lora else ''} from {ck if step > 1 or a.checkpoint else 'the initial weights'}",
+                    seed=a.seed, policy=policy, rows=_parse_rows(a.rows),
                     max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
     print(f"estimates written to {a.output}")
     return 0
 
 
+def _build_from_run(a) -> int:
+    from .inspector import find_rollouts, load_rollouts
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    src = find_rollouts(a.rollouts)
+    run = _run_of(src)
+    saved = load_rollouts(src)
+    step = int(saved.get("step") or 0)
+    ck = Path(a.checkpoint) if a.checkpoint else run / "checkpoints" / f"step_{step - 1:08d}"
+    if (step > 1 or a.checkpoint) and not ck.exists():
+        raise FidelityError(f"--checkpoint: the batch of step {step} was sampled by the weights after step {step - 1}; "
+                            f"no checkpoint {ck} (pass --checkpoint, or save every step)")
+    use = ck if step > 1 or a.checkpoint else None
+    cfg, model, tok, _ = _load_run(run, use)
+    policy = f"{cfg.model.name}{' + LoRA' if cfg.model.lora else ''} from {use if use is not None else 'the initial weights'}"
+    return _estimate(a, cfg, model, tok, saved, policy)
+
+
+def sample_batch(trainer, prompts: int) -> Dict[str, Any]:
+    """One batch of ``prompts`` x the run's samples per prompt from ``trainer``'s policy as it is,
+    taken by the trainer's own step with the learning rate set to 0 (the weights are checked to
+    be unchanged), so that it carries every signal and the credit state exactly as a run saves
+    them. Returns the rollouts (as ``_save_rollouts`` writes them)."""
+    import tempfile
+
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.cfg.rollout.prompts_per_step = int(prompts)
+    # a step that saves its rollouts computes every signal the trainer can give (_inspect_plan)
+    trainer.cfg.log.save_rollouts, trainer.cfg.log.eval_every = True, 1
+    lrs = [g["lr"] for g in trainer.optimizer.param_groups]
+    for g in trainer.optimizer.param_groups:
+        g["lr"] = 0.0
+    try:
+        trainer.train_step()
+    finally:
+        for g, lr in zip(trainer.optimizer.param_groups, lrs):
+            g["lr"] = lr
+    trainer.step += 1
+    after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    if changed:
+        raise RuntimeError(f"sample_batch: a step at learning rate 0 changed {changed[:3]}")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "rollouts.pt"
+        trainer._save_rollouts(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _build_from_task(a) -> int:
+    from .config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from .models import EMBEDDED
+    from .trainer import Trainer
+
+    out = Path(a.output)
+    if out.exists():  # resume: the batch is the file's own
+        est = load_estimates(out, require_complete=False)
+        run = out.with_name(out.name + ".run")
+        cfg, model, tok, _ = _load_run(run, None)
+        if (cfg.model.name, cfg.task.name) != (a.model or EMBEDDED, a.task):
+            raise FidelityError(f"ESTIMATES: {out} samples {cfg.model.name} on {cfg.task.name}; expected {a.model or EMBEDDED} on {a.task}")
+        if cfg.model.lora:
+            sd = torch.load(run / "adapter.pt", map_location="cpu", weights_only=True)
+            params = dict(model.named_parameters())
+            if set(sd) - set(params):
+                raise FidelityError(f"ESTIMATES: {run / 'adapter.pt'} has weights this model lacks, e.g. {sorted(set(sd) - set(params))[:1]}")
+            with torch.no_grad():
+                for n, v in sd.items():
+                    params[n].copy_(v)
+        return _estimate(a, cfg, model, tok, est["rollouts"], est.get("policy", ""))
+    cfg = TrainConfig(
+        credit="grpo", steps=1, seed=a.seed, threads=a.threads, output_dir=str(out.with_name(out.name + ".run")),
+        model=ModelConfig(name=a.model or EMBEDDED, lora=a.lora),
+        task=TaskConfig(name=a.task),
+        rollout=RolloutConfig(prompts_per_step=a.prompts, samples_per_prompt=a.samples, max_new_tokens=a.max_new_tokens,
+                              temperature=a.temperature),
+        optim=OptimConfig(micro_batch_size=max(1, a.prompts * a.samples)),
+        log=LogConfig(eval_samples=0, eval_at_start=False, progress=False),
+    )
+    cfg.validate()
+    trainer = Trainer(cfg)
+    trainer._open_logs()  # config.json: a resumed build reloads the same model and task
+    saved = sample_batch(trainer, a.prompts)
+    if cfg.model.lora:  # a fresh adapter is random: keep it, so that a resumed build samples the same policy
+        torch.save({n: p.detach().cpu() for n, p in trainer.model.named_parameters() if "lora_" in n},
+                   Path(cfg.output_dir) / "adapter.pt")
+    policy = f"{cfg.model.name}{' + fresh LoRA' if cfg.model.lora else ''} (initial weights), batch sampled by fidelity build"
+    return _estimate(a, cfg, trainer.model, trainer.tokenizer, saved, policy)
+
+
+def _critic_main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="tokencredit fidelity critic",
+        description="evaluate the critic of a gae or pact run on an estimates file's batch and store it in the file, so "
+                    "that `tokencredit fidelity` scores that method with its own run's critic")
+    p.add_argument("estimates", help="the estimates file (updated in place, or written to -o)")
+    p.add_argument("run", help="the run directory of a method with a critic (gae, pact)")
+    p.add_argument("--checkpoint", default=None, help="default: the run's latest checkpoint")
+    p.add_argument("-o", "--output", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    try:
+        return _critic_from_run(a)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"tokencredit fidelity critic: {e}") from None
+
+
+def _critic_from_run(a) -> int:
+    from .checkpoint import latest_checkpoint
+    from .spec import CreditPipeline
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    est = load_estimates(a.estimates, require_complete=False)
+    run = Path(a.run)
+    ck = Path(a.checkpoint) if a.checkpoint else latest_checkpoint(run / "checkpoints")
+    cfg, model, tok, head = _load_run(run, ck, critic=True)
+    pipe = CreditPipeline(cfg.credit, cfg.method_configs())
+    method = _critic_method(pipe.name)
+    if method is None:
+        raise FidelityError(f"RUN: {run} trained {pipe.name!r}, which declares no critic; expected a run of gae or pact")
+    from .registry import get_method
+
+    spec = get_method(method).critic(pipe.configs[method])
+    saved = est["rollouts"]
+    _task_examples(cfg, saved)  # the same task's questions
+    values = critic_values(model, head, tok, saved, sigmoid=spec.transform == "sigmoid")
+    # how far this run's policy is from the one that sampled the batch (its critic is of that policy)
+    diff = check_policy(model, tok, saved, cfg.rollout.temperature, tol=float("inf"))
+    step = int(re.search(r"(\d+)$", ck.name).group(1)) if ck is not None and re.search(r"(\d+)$", ck.name) else "?"
+    source = (f"critic of a {pipe.name} run ({run.name}, step {step}) evaluated on this batch; that run's policy differs "
+              f"from the batch's by {diff:.3f} nats/token")
+    est = attach_critic(est, method, values, source)
+    out = Path(a.output or a.estimates)
+    _atomic_save(est, out)
+    print(f"{method}: {source}; written to {out}")
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
-    """``tokencredit fidelity [FILE] [--json] ...`` or ``tokencredit fidelity build RUN -o FILE ...``."""
+    """``tokencredit fidelity [FILE] [--json] ...``, ``tokencredit fidelity build RUN -o FILE ...`` (or
+    ``build --task T -o FILE``) or ``tokencredit fidelity critic FILE RUN``."""
     argv = list(argv)
     if argv and argv[0] == "build":
         return _build_main(argv[1:])
+    if argv and argv[0] == "critic":
+        return _critic_main(argv[1:])
     return _score_main(argv)
