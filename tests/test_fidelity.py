@@ -587,8 +587,8 @@ def test_build_samples_its_own_batch_from_a_model_and_task_and_resumes(tmp_path,
     before = est["samples"].clone()
     assert main(argv + ["--lora"]) == 0  # resumed: nothing left to do, the same samples
     assert torch.equal(load_estimates(out)["samples"].nan_to_num(-1), before.nan_to_num(-1))
-    with pytest.raises(SystemExit, match=r"ESTIMATES: .* samples tiny on add1; expected tiny on mult1"):
-        main([a if a != "add1" else "mult1" for a in argv])
+    with pytest.raises(SystemExit, match=r"ESTIMATES: .* samples tiny on add1; expected tiny on mul1"):
+        main([a if a != "add1" else "mul1" for a in argv])
     with pytest.raises(SystemExit, match="expected a run's rollouts or --task"):
         main(["fidelity", "build", "-o", str(tmp_path / "x.pt")])
     with pytest.raises(SystemExit, match="expected no --model with ROLLOUTS"):

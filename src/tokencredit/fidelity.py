@@ -1146,7 +1146,7 @@ def _build_main(argv: List[str]) -> int:
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
     g = p.add_argument_group("sampling a batch (no ROLLOUTS): the trainer's own step at learning rate 0, every signal kept")
     g.add_argument("--model", default=None, help="model name or path (default with --task: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--task", default=None, help="task name (e.g. chain, mult1)")
+    g.add_argument("--task", default=None, help="task name (e.g. chain, mul1)")
     g.add_argument("--lora", action="store_true", help="give the model a (fresh) LoRA adapter, so ARCA's residual exists")
     g.add_argument("--prompts", type=int, default=16)
     g.add_argument("--samples", type=int, default=4, help="responses per prompt (the group size)")
