@@ -22,8 +22,9 @@ pi_new / pi_old (:func:`pact_critic_is_weights`).
 positions inside a response are skipped in both modes, as in GAE.
 
 Provenance: theory, actor advantage, BCE critic and actor-then-critic order are the paper's;
-the IS ratio being the per-token ratio of the token at t (not a product over the future) and
-its truncation range are a **reconstruction** (docs/methods.md, section PACT).
+the IS ratio being the local, per-token ratio of the token at t (detached; samples outside the
+range masked, not clipped) is the authors' group's public write-up of the paper; only the
+truncation range is a **reconstruction** (docs/methods.md, section PACT).
 """
 
 from __future__ import annotations
@@ -256,9 +257,10 @@ def pact_critic_is_weights(
         w_t   = rho_t  if valid and low <= rho_t <= high,  else 0 (masked)
 
     pi_new is the actor after this step's update, pi_old the behaviour policy of the rollout.
-    **Reconstructed**: the per-token ratio of the token at t (not the product over the future
-    tokens) and the range [low, high] (default [0.5, 2]); ``low <= 1 <= high`` so an unchanged
-    token is always kept.
+    The local, per-token ratio of the token at t (not the product over the future tokens),
+    detached, masking rather than clipping: the authors' group's write-up. **Reconstructed**:
+    the range [low, high] (default [0.5, 2]); ``low <= 1 <= high`` so an unchanged token is
+    always kept.
     """
     _check_is_range(low, high, "pact_critic_is_weights")
     for name, x in (("new_logprobs", new_logprobs), ("old_logprobs", old_logprobs)):
