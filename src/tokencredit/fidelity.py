@@ -1094,7 +1094,7 @@ def _score_main(argv: List[str]) -> int:
     p.add_argument("file", nargs="?", default=None, help="an estimates file (default: the bundled reference set)")
     p.add_argument("--reference", choices=("spans", "tokens"), default="spans",
                    help="without FILE, which bundled set: V every 4th position for all 64 responses (spans), or at "
-                        "every position for the first groups (tokens)")
+                        "every position of the same batch's first groups with mixed outcomes (tokens)")
     p.add_argument("--methods", default=None, help="comma-separated credit specs (default: what inspect replays)")
     p.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE")
     p.add_argument("--delta", type=float, default=FidelityConfig.delta)
@@ -1107,7 +1107,8 @@ def _score_main(argv: List[str]) -> int:
     try:
         ref = REFERENCE_SET if a.reference == "spans" else REFERENCE_TOKENS
         if a.file is None and not ref.is_file():
-            how = "" if a.reference == "spans" else " --stride 1 --max-minutes 55 --output " + str(ref)
+            how = "" if a.reference == "spans" else (" --steps 3 --stride 1 --rows mixed --rollouts-from " + str(REFERENCE_SET)
+                                                     + " --work-dir build/fidelity_tokens --output " + str(ref))
             raise FidelityError(f"no bundled reference set at {ref}: build it with 'python scripts/build_fidelity_set.py{how}' "
                                 "(docs/fidelity.md) or pass an estimates file")
         est = load_estimates(a.file or ref)
