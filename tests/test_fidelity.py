@@ -205,14 +205,20 @@ def test_metrics_hand_values():
     assert spearman(torch.tensor([1.0, 2, 2, 3]), torch.tensor([1.0, 2, 3, 4])) == pytest.approx(0.9486832980505138)
 
 
-def test_exact_credit_is_perfect_and_an_anti_correlated_method_is_below_uniform(tmp_path):
+def exact_estimate(tmp_path):
+    """A build of the tabular world whose samples are replaced by the exact values: the
+    estimate is then V itself."""
     world = TabularWorld(eos=True, seed=0)
     est, saved, seqs = build_world(tmp_path, world, 2)
     exact = exact_values(world, seqs)
-    # replace the samples by the exact values: the estimate is then V itself
     for b, s in enumerate(seqs):
         for t in range(len(s)):
             est["samples"][b, t] = exact[b][t]
+    return est, saved, seqs, exact
+
+
+def test_exact_credit_is_perfect_and_an_anti_correlated_method_is_below_uniform(tmp_path):
+    est, saved, seqs, exact = exact_estimate(tmp_path)
     T = saved["signals"]["response_mask"].shape[1]
     values = torch.full((len(seqs), T + 1), 0.5)
     for b, s in enumerate(seqs):
@@ -487,12 +493,7 @@ def test_rows_estimates_only_those_responses_and_a_later_build_extends_the_file(
 def test_a_method_is_scored_with_the_critic_attached_for_it(tmp_path):
     from tokencredit.fidelity import attach_critic
 
-    world = TabularWorld(eos=True, seed=0)
-    est, saved, seqs = build_world(tmp_path, world, 2)
-    exact = exact_values(world, seqs)
-    for b, s in enumerate(seqs):
-        for t in range(len(s)):
-            est["samples"][b, t] = exact[b][t]
+    est, saved, seqs, exact = exact_estimate(tmp_path)
     T = saved["signals"]["response_mask"].shape[1]
     # the batch's own critic knows nothing (constant 0.5); the attached one is the exact V
     est["rollouts"]["signals"]["values"] = torch.full((len(seqs), T + 1), 0.5)
