@@ -636,3 +636,19 @@ def test_the_bundled_reference_set_scores_every_method_with_its_own_critic():
     assert names <= {r.split("+")[-1] for r in rows} | {r.split("+")[0] for r in rows}
     assert rows["gae"]["note"].startswith("critic of a gae run") and rows["pact"]["note"].startswith("critic of the pact run")
     assert rows["true credit (MC)"]["rank_corr"]["mean"] == pytest.approx(1.0)
+
+
+def test_the_bundled_per_token_set_is_the_same_batch_at_every_position():
+    """The per-token set holds the span set's batch (same fingerprint), V at every position of
+    the mixed-outcome groups' responses and nowhere else, and gae's own critic."""
+    from tokencredit.fidelity import REFERENCE_SET, REFERENCE_TOKENS, complete_rows
+
+    spans, tokens = load_estimates(REFERENCE_SET), load_estimates(REFERENCE_TOKENS)
+    assert tokens["fingerprint"] == spans["fingerprint"] and tokens["settings"]["stride"] == 1
+    sig = tokens["rollouts"]["signals"]
+    R, g = sig["rewards"], sig["group_ids"]
+    mixed = torch.tensor([len(set(R[g == gi].tolist())) > 1 for gi in g.tolist()])
+    assert torch.equal(complete_rows(tokens), mixed) and int(mixed.sum()) == 24
+    assert tokens["build"]["policy_logprob_diff"] < 1e-4 and "gae" in tokens["critics"]
+    res = score(tokens, ["grpo"], cfg=FidelityConfig(n_boot=20))
+    assert res["trajectories"] == 24 and res["positions"] == int(sig["response_mask"][mixed].sum())
