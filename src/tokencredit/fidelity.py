@@ -1148,7 +1148,9 @@ def _build_main(argv: List[str]) -> int:
     g = p.add_argument_group("sampling a batch (no ROLLOUTS): the trainer's own step at learning rate 0, every signal kept")
     g.add_argument("--model", default=None, help="model name or path (default with --task: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--task", default=None, help="task name (e.g. chain, mul1)")
-    g.add_argument("--lora", action="store_true", help="give the model a (fresh) LoRA adapter, so ARCA's residual exists")
+    g.add_argument("--lora", action="store_true",
+                   help="give the model a fresh LoRA adapter (peft's init: B = 0, so the policy is the model's own and "
+                        "ARCA's residual and the divergence are 0; for non-trivial ones build from a LoRA run's rollouts)")
     g.add_argument("--prompts", type=int, default=16)
     g.add_argument("--samples", type=int, default=4, help="responses per prompt (the group size)")
     g.add_argument("--max-new-tokens", type=int, default=48)
