@@ -566,6 +566,14 @@ def test_build_from_a_run_and_its_critic_reproduce_the_saved_batch(tmp_path, mon
     grpo = _tiny_run(tmp_path, "grpo", steps=1)
     with pytest.raises(SystemExit, match=r"tokencredit fidelity critic: RUN: expected a checkpoint with a critic"):
         main(["fidelity", "critic", str(est_file), str(grpo)])
+    # rows outside the batch: refused before any model loads
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the error")
+
+    monkeypatch.setattr(models, "resolve_model", no_model)
+    with pytest.raises(SystemExit, match=r"rows: expected distinct response indices in 0\.\.3, got \[7\]"):
+        main(["fidelity", "build", str(run), "-o", str(tmp_path / "r.pt"), "--rows", "7"])
 
 
 def test_build_samples_its_own_batch_from_a_model_and_task_and_resumes(tmp_path, monkeypatch):
@@ -590,6 +598,12 @@ def test_build_samples_its_own_batch_from_a_model_and_task_and_resumes(tmp_path,
     assert torch.equal(load_estimates(out)["samples"].nan_to_num(-1), before.nan_to_num(-1))
     with pytest.raises(SystemExit, match=r"ESTIMATES: .* samples tiny on add1; expected tiny on mul1"):
         main([a if a != "add1" else "mul1" for a in argv])
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the error")
+
+    monkeypatch.setattr(models, "resolve_model", no_model)
+    with pytest.raises(SystemExit, match=r"rows: expected distinct response indices in 0\.\.3, got \[0, 4\]"):
+        main(["fidelity", "build", "--task", "add1", "--prompts", "2", "--samples", "2", "--rows", "0,4", "-o", str(tmp_path / "y.pt")])
     with pytest.raises(SystemExit, match="expected a run's rollouts or --task"):
         main(["fidelity", "build", "-o", str(tmp_path / "x.pt")])
     with pytest.raises(SystemExit, match="expected no --model with ROLLOUTS"):

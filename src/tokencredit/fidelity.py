@@ -356,9 +356,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     rows_ = response_rows(saved)
     B = len(rows_)
     T = max([len(r) for r in rows_] + [1])
-    chosen = list(range(B)) if rows is None else [int(b) for b in rows]
-    if len(set(chosen)) != len(chosen) or any(not 0 <= b < B for b in chosen):
-        raise FidelityError(f"rows: expected distinct response indices in 0..{B - 1}, got {list(rows)}")
+    chosen = _check_rows(rows, B)
     if out.exists():
         state = load_estimates(out, require_complete=False)
         if state["fingerprint"] != fp:
@@ -1167,6 +1165,14 @@ def _build_main(argv: List[str]) -> int:
         raise SystemExit(f"tokencredit fidelity build: {e}") from None
 
 
+def _check_rows(rows: Optional[Sequence[int]], B: int) -> List[int]:
+    """The responses to estimate: all, or ``rows`` if they are distinct indices of the batch."""
+    chosen = list(range(B)) if rows is None else [int(b) for b in rows]
+    if len(set(chosen)) != len(chosen) or any(not 0 <= b < B for b in chosen):
+        raise FidelityError(f"rows: expected distinct response indices in 0..{B - 1}, got {list(rows)}")
+    return chosen
+
+
 def _parse_rows(text: Optional[str]) -> Optional[List[int]]:
     if text is None:
         return None
@@ -1254,6 +1260,7 @@ def _build_from_run(a) -> int:
     src = find_rollouts(a.rollouts)
     run = _run_of(src)
     saved = load_rollouts(src)
+    _check_rows(_parse_rows(a.rows), len(_lengths(saved)))  # before any model loads
     step = int(saved.get("step") or 0)
     ck = Path(a.checkpoint) if a.checkpoint else run / "checkpoints" / f"step_{step - 1:08d}"
     if (step > 1 or a.checkpoint) and not ck.exists():
@@ -1326,6 +1333,7 @@ def _build_from_task(a) -> int:
         log=LogConfig(eval_samples=0, eval_at_start=False, progress=False),
     )
     cfg.validate()
+    _check_rows(_parse_rows(a.rows), a.prompts * a.samples)  # before any model loads
     trainer = Trainer(cfg)
     trainer._open_logs()  # config.json: a resumed build reloads the same model and task
     saved = sample_batch(trainer, a.prompts)
