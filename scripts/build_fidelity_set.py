@@ -106,15 +106,17 @@ def critic_runs(a, work: Path) -> int:
 
 def chosen_rows(spec: str, saved) -> list:
     """The response indices ``--rows`` names."""
-    rewards = torch.as_tensor(saved["signals"]["rewards"]).tolist()
+    from tokencredit.fidelity import _mixed_groups
+
     groups = torch.as_tensor(saved["signals"]["group_ids"]).tolist()
     if spec == "all":
-        return list(range(len(rewards)))
+        return list(range(len(groups)))
     if spec.startswith("mixed"):
-        n = int(spec.split(":", 1)[1]) if ":" in spec else None
-        order = list(dict.fromkeys(groups))
-        mixed = [g for g in order if len({r for r, gg in zip(rewards, groups) if gg == g}) > 1][:n]
-        return [b for b, g in enumerate(groups) if g in set(mixed)]
+        rows = _mixed_groups(saved, range(len(groups)))
+        if ":" in spec:  # the first N such groups, in batch order
+            keep = set(list(dict.fromkeys(groups[b] for b in rows))[: int(spec.split(":", 1)[1])])
+            rows = [b for b in rows if groups[b] in keep]
+        return rows
     return [int(x) for x in spec.split(",")]
 
 

@@ -632,6 +632,8 @@ def test_sample_batch_keeps_every_signal_and_leaves_the_weights(tmp_path):
         assert saved["signals"].get(k) is not None, k
     assert all(torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
     assert [g["lr"] for g in tr.optimizer.param_groups] == lrs and lrs[0] > 0
+    # the run's own settings are as they were
+    assert (tr.cfg.rollout.prompts_per_step, tr.cfg.log.save_rollouts, tr.cfg.log.eval_every) == (2, False, 7)
 
 
 def test_the_bundled_reference_set_scores_every_method_with_its_own_critic():

@@ -274,6 +274,7 @@ def critic_values(model, head, tokenizer, saved: Dict[str, Any], *, sigmoid: boo
     and after the last one, as ``CreditBatch.values``; 0 beyond a response's end. ``sigmoid`` for
     a critic whose values are probabilities (PACT's)."""
     from .forward import forward_response
+    from .models import values_from_hidden
 
     rows = response_rows(saved)
     T = int(torch.as_tensor(saved["signals"]["response_mask"]).shape[1])
@@ -284,8 +285,7 @@ def critic_values(model, head, tokenizer, saved: Dict[str, Any], *, sigmoid: boo
     try:
         for s0, ids, att, P, rs in _batch_inputs(saved, tokenizer, chunk):
             h, _ = forward_response(model, ids.to(device), att.to(device), P, hidden=True)
-            v = head(h).squeeze(-1).float().cpu()
-            v = torch.sigmoid(v) if sigmoid else v
+            v = values_from_hidden(head, h, sigmoid=sigmoid).float().cpu()
             for i, r in enumerate(rs):
                 out[s0 + i, : len(r) + 1] = v[i, : len(r) + 1]
     finally:
@@ -353,10 +353,10 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     fp = batch_fingerprint(saved)
     settings = {"M": int(M), "stride": int(stride), "temperature": float(temperature), "top_p": float(top_p),
                 "max_new_tokens": int(max_new_tokens), "seed": int(seed)}
-    rows_ = response_rows(saved)
-    B = len(rows_)
-    T = max([len(r) for r in rows_] + [1])
-    chosen = _check_rows(rows, B)
+    chosen = _check_rows(rows, len(_lengths(saved)))
+    rows = response_rows(saved)
+    B = len(rows)
+    T = max([len(r) for r in rows] + [1])
     if out.exists():
         state = load_estimates(out, require_complete=False)
         if state["fingerprint"] != fp:
@@ -365,8 +365,8 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
             diff = {k: (state["settings"].get(k), v) for k, v in settings.items() if state["settings"].get(k) != v}
             raise FidelityError(f"ESTIMATES: {out} was built with other settings (file, now): {diff}")
     else:
-        if any(len(r) > max_new_tokens for r in rows_):
-            raise FidelityError(f"max_new_tokens: expected >= the longest response ({max(len(r) for r in rows_)}), got {max_new_tokens}")
+        if any(len(r) > max_new_tokens for r in rows):
+            raise FidelityError(f"max_new_tokens: expected >= the longest response ({max(len(r) for r in rows)}), got {max_new_tokens}")
         state = {"format": FORMAT, "fingerprint": fp, "settings": settings, "policy": policy, "rollouts": saved,
                  "samples": torch.full((B, T, M), float("nan")), "cont_tokens": torch.zeros((B, T), dtype=torch.long),
                  "build": {"seconds": 0.0, "cont_tokens": 0, "baseline": None, "failed": {"error": 0, "timeout": 0}}}
@@ -377,7 +377,6 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
         state["build"]["policy_logprob_diff"] = check_policy(model, tokenizer, saved, temperature)
     prompts = _prompt_rows(saved, tokenizer)
     samples, cont_tokens = state["samples"], state["cont_tokens"]
-    rows = rows_
     # (rank among the chosen rows, row, position) of every position still to estimate
     todo3 = [(k, b, t) for k, b in enumerate(chosen) for t in mc_positions(len(rows[b]), stride) if torch.isnan(samples[b, t]).any()]
     per = max(1, int(rows_per_batch) // M)
@@ -807,15 +806,13 @@ CLAIM_SPECS = ("grpo", "oppo", "grpo+taco", "grpo+stare", "grpo+acpo", "grpo+arc
 
 def _critic_method(spec: str) -> Optional[str]:
     """The method of ``spec`` that declares a critic (its estimator: gae, pact), or None."""
-    from .registry import UnknownMethodError, get_method
+    from .spec import parse_spec
 
-    for name in spec.split("+"):
-        try:
-            if get_method(name.strip()).critic is not None:
-                return name.strip()
-        except UnknownMethodError:
-            pass
-    return None
+    try:
+        methods = parse_spec(spec)
+    except (KeyError, ValueError):  # a saved run's own label that is not a spec ("run")
+        return None
+    return next((m.name for m in methods if m.critic is not None), None)
 
 
 def _with_own_critics(est: Dict[str, Any], views, credit_args: Sequence[str]):
@@ -1210,16 +1207,22 @@ def _load_run(run: Path, checkpoint: Optional[Path], *, critic: bool = False):
         model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
     head = None
     if sd is not None:
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for n, v in sd["model"].items():
-                if n not in params:
-                    raise FidelityError(f"--checkpoint: {checkpoint} has weight {n!r} that this model lacks (another model?)")
-                params[n].copy_(v)
+        _copy_weights(model, sd["model"], f"--checkpoint: {checkpoint}")
         if critic:
             head = ValueHead(int(model.config.hidden_size))
             head.load_state_dict(sd["critic"])
     return cfg, model, tok, head
+
+
+def _copy_weights(model, weights: Dict[str, torch.Tensor], where: str) -> None:
+    """Copy ``weights`` (name -> tensor) into ``model``'s parameters; a name it lacks is an error."""
+    params = dict(model.named_parameters())
+    extra = sorted(set(weights) - set(params))
+    if extra:
+        raise FidelityError(f"{where} has weight {extra[0]!r} that this model lacks (another model?)")
+    with torch.no_grad():
+        for n, v in weights.items():
+            params[n].copy_(v)
 
 
 def _task_examples(cfg, saved: Dict[str, Any]):
@@ -1279,16 +1282,18 @@ def sample_batch(trainer, prompts: int) -> Dict[str, Any]:
     them. Returns the rollouts (as ``_save_rollouts`` writes them)."""
     import tempfile
 
+    cfg = trainer.cfg
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.cfg.rollout.prompts_per_step = int(prompts)
-    # a step that saves its rollouts computes every signal the trainer can give (_inspect_plan)
-    trainer.cfg.log.save_rollouts, trainer.cfg.log.eval_every = True, 1
+    kept = (cfg.rollout.prompts_per_step, cfg.log.save_rollouts, cfg.log.eval_every)
     lrs = [g["lr"] for g in trainer.optimizer.param_groups]
+    # a step that saves its rollouts computes every signal the trainer can give (_inspect_plan)
+    cfg.rollout.prompts_per_step, cfg.log.save_rollouts, cfg.log.eval_every = int(prompts), True, 1
     for g in trainer.optimizer.param_groups:
         g["lr"] = 0.0
     try:
         trainer.train_step()
     finally:
+        cfg.rollout.prompts_per_step, cfg.log.save_rollouts, cfg.log.eval_every = kept
         for g, lr in zip(trainer.optimizer.param_groups, lrs):
             g["lr"] = lr
     trainer.step += 1
@@ -1315,13 +1320,7 @@ def _build_from_task(a) -> int:
         if (cfg.model.name, cfg.task.name) != (a.model or EMBEDDED, a.task):
             raise FidelityError(f"ESTIMATES: {out} samples {cfg.model.name} on {cfg.task.name}; expected {a.model or EMBEDDED} on {a.task}")
         if cfg.model.lora:
-            sd = torch.load(run / "adapter.pt", map_location="cpu", weights_only=True)
-            params = dict(model.named_parameters())
-            if set(sd) - set(params):
-                raise FidelityError(f"ESTIMATES: {run / 'adapter.pt'} has weights this model lacks, e.g. {sorted(set(sd) - set(params))[:1]}")
-            with torch.no_grad():
-                for n, v in sd.items():
-                    params[n].copy_(v)
+            _copy_weights(model, torch.load(run / "adapter.pt", map_location="cpu", weights_only=True), f"ESTIMATES: {run / 'adapter.pt'}")
         return _estimate(a, cfg, model, tok, est["rollouts"], est.get("policy", ""))
     cfg = TrainConfig(
         credit="grpo", steps=1, seed=a.seed, threads=a.threads, output_dir=str(out.with_name(out.name + ".run")),
@@ -1383,7 +1382,8 @@ def _critic_from_run(a) -> int:
     values = critic_values(model, head, tok, saved, sigmoid=spec.transform == "sigmoid")
     # how far this run's policy is from the one that sampled the batch (its critic is of that policy)
     diff = check_policy(model, tok, saved, cfg.rollout.temperature, tol=float("inf"))
-    step = int(re.search(r"(\d+)$", ck.name).group(1)) if ck is not None and re.search(r"(\d+)$", ck.name) else "?"
+    m = re.search(r"(\d+)$", ck.name) if ck is not None else None
+    step = int(m.group(1)) if m else "?"
     source = (f"critic of a {pipe.name} run ({run.name}, step {step}) evaluated on this batch; that run's policy differs "
               f"from the batch's by {diff:.3f} nats/token")
     est = attach_critic(est, method, values, source)
