@@ -668,3 +668,27 @@ def test_the_bundled_per_token_set_is_the_same_batch_at_every_position():
     assert tokens["build"]["policy_logprob_diff"] < 1e-4 and "gae" in tokens["critics"]
     res = score(tokens, ["grpo"], cfg=FidelityConfig(n_boot=20))
     assert res["trajectories"] == 24 and res["positions"] == int(sig["response_mask"][mixed].sum())
+
+
+def test_split_half_compares_the_even_half_with_the_odd_half(tmp_path):
+    """The noise reference is the credit from the even-indexed continuations scored against the
+    credit from the odd-indexed ones, recomputed here from the samples: a half compared with
+    itself would score a perfect 1.0 and hide the Monte Carlo noise the row is there to show."""
+    world = TabularWorld(eos=True, seed=4)
+    est, saved, seqs = build_world(tmp_path, world, 4)
+    cfg = FidelityConfig(n_boot=20)
+    res = score(est, ["grpo"], cfg=cfg)
+    rows = {r["method"]: r for r in res["rows"]}
+    R = saved["signals"]["rewards"].double()
+    s = est["samples"].double()
+    per = []
+    for b, seq in enumerate(seqs):
+        n = len(seq)
+        halves = [torch.cat([s[b, :n, k::2].mean(-1), R[b: b + 1]]) for k in (0, 1)]
+        per.append(trajectory_metrics(credit_spans(halves[0]), credit_spans(halves[1]), bool(R[b] >= 1), cfg))
+    for key in ("rank_corr", "sign_agreement", "pivotal_mass"):
+        vals = [p[key] for p in per if not math.isnan(p[key])]
+        assert rows["split-half"][key]["mean"] == pytest.approx(sum(vals) / len(vals)), key
+    # two M/2 = 2 estimates disagree: well below the perfect score of a half against itself
+    assert rows["split-half"]["rank_corr"]["mean"] < 0.9 and rows["split-half"]["sign_agreement"]["mean"] < 0.95
+    assert rows["true credit (MC)"]["rank_corr"]["mean"] == pytest.approx(1.0)

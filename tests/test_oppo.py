@@ -231,12 +231,52 @@ def test_log_odds_belief_is_a_sigmoid_of_the_summed_evidence(batch, scale):
     assert torch.equal(before[:, 1:], after[:, :-1])  # exact telescoping
 
 
-@settings(max_examples=30, deadline=None)
-@given(batch=oppo_batches(), clip=st.sampled_from([0.3, 2.0, math.inf]), accumulate=st.booleans())
-def test_equals_opd_without_state_weight(batch, clip, accumulate):
-    a = oppo(batch, OPPOConfig(accumulate=accumulate, state_weight=False, evidence_clip=clip, anchor="off")).advantages
+# OPPO = OPD ("self-oracle recovers the on-policy distillation reward as a strict special case"):
+# exactly when the state weight is off, anchoring is off and the two clips are the same; every
+# other switch (accumulate, form, prior, eps) then has no effect on the advantage
+OPD_CASE = dict(state_weight=False, anchor="off")
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=oppo_batches(), clip=st.sampled_from([0.3, 2.0, math.inf]), accumulate=st.booleans(),
+       form=st.sampled_from(["log_odds", "probability"]), prior=st.sampled_from(["group_mean", "leave_one_out"]),
+       eps=st.sampled_from([1e-3, 0.2]))
+def test_equals_opd_without_state_weight(batch, clip, accumulate, form, prior, eps):
+    a = oppo(batch, OPPOConfig(accumulate=accumulate, evidence_clip=clip, form=form, prior=prior, eps=eps, **OPD_CASE)).advantages
     b = opd(batch, OPDConfig(clip=None if math.isinf(clip) else clip)).advantages
     assert torch.equal(a, b)
+    if math.isinf(clip):  # OPD at its defaults (no clip) is OPPO with evidence_clip=math.inf
+        assert torch.equal(a, opd(batch, OPDConfig()).advantages)
+
+
+def _opd_departures_batch():
+    """Two responses (R = 1, 0) whose evidence has a token against the outcome's direction
+    (e = -0.5 in the success, +0.5 in the failure) and one beyond OPPO's default clip (e = 7)."""
+    logp = [[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]]
+    e = [[0.4, -0.5, 7.0], [0.5, -0.3, -0.2]]
+    oracle = [[lp + x for lp, x in zip(r, er)] for r, er in zip(logp, e)]
+    return _batch([[1, 1, 1], [1, 1, 1]], [1.0, 0.0], logp, oracle)
+
+
+@pytest.mark.parametrize("kw,where", [
+    ({}, "all"),  # OPPO's defaults: state weight, anchor flip, clip 5
+    ({"evidence_clip": math.inf, "anchor": "off"}, "all"),  # the state weight alone: the belief increments
+    ({"evidence_clip": math.inf, "anchor": "off", "accumulate": False}, "all"),  # first order V0(1 - V0) e
+    ({"state_weight": False, "anchor": "off"}, [(0, 2)]),  # OPPO's evidence clip 5 against OPD's none
+    ({"state_weight": False, "evidence_clip": math.inf}, [(0, 1), (1, 0)]),  # anchor "flip": |e| sign(A_b)
+    ({"state_weight": False, "evidence_clip": math.inf, "anchor": "zero"}, [(0, 1), (1, 0)]),  # disagreeing tokens -> 0
+], ids=["defaults", "state_weight", "state_weight_first_order", "evidence_clip_5", "anchor_flip", "anchor_zero"])
+def test_differs_from_opd_outside_the_special_case(kw, where):
+    """Each setting that departs from the special case changes the advantage away from OPD's
+    reward (at its defaults, no clip), on exactly the tokens it should."""
+    batch = _opd_departures_batch()
+    a = oppo(batch, OPPOConfig(**kw)).advantages
+    b = opd(batch, OPDConfig()).advantages
+    differ = {tuple(i) for i in (a != b).nonzero().tolist()}
+    if where == "all":
+        assert differ == {(i, t) for i in range(2) for t in range(3)}
+    else:
+        assert differ == set(where)
 
 
 @pytest.mark.parametrize("mode", ["zero", "flip"])

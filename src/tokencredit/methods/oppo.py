@@ -18,7 +18,11 @@ state weight that is largest where success is most uncertain. When ``accumulate`
 the advantage:
 
     A_t = g_t * e_t,   g_t = V_0 (1 - V_0)   if state_weight (log-odds form; V_0 in the probability form)
-                       g_t = 1               otherwise, so A_t = e_t, the OPD reward (``opd.py``)
+                       g_t = 1               otherwise, so A_t = e_t
+
+and with anchoring also off and ``evidence_clip`` equal to OPD's clip (``math.inf`` for OPD's
+default of none) the advantage is exactly OPD's reward (``opd.py``); at OPPO's defaults (state
+weight, anchor "flip", clip 5) it is not (tests/test_oppo.py names each departure).
 
 ``form="probability"`` is the earlier reconstruction, kept as a labelled option:
 V_t = clip(V_{t-1} exp(e_t), eps, 1 - eps), whose linearisation is V_{t-1} e_t.
