@@ -36,7 +36,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from ...signals import token_signals
 from .core import ENGINE_MODEL_TYPE, WORKER_SIGNAL_KEYS
 
-__all__ = ["ENGINE_MODEL_TYPE", "WORKER_SIGNAL_KEYS", "TokenCreditFSDPEngine", "requested_signals"]
+__all__ = ["ENGINE_MODEL_TYPE", "WORKER_SIGNAL_KEYS", "TokenCreditFSDPEngine", "requested_signals", "verl_engine_devices"]
 
 
 def requested_signals(micro_batch) -> Tuple[str, ...]:
@@ -60,7 +60,31 @@ def _to_full(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-@EngineRegistry.register(model_type=ENGINE_MODEL_TYPE, backend=["fsdp", "fsdp2"], device=["cuda", "npu"])
+def verl_engine_devices(backends=("fsdp", "fsdp2")) -> list:
+    """The device keys (``"cuda"``, ``"npu"``, ``("cuda", vendor)``, ...) verl's own FSDP language-model
+    engine is registered for in this process: tokencredit's engine serves wherever verl's does
+    (a platform plugin that registers verl's engines for its device, such as the CPU dry run's
+    :mod:`tokencredit.integrations.verl_cpu`, is imported before this plugin by ``VERL_USE_EXTERNAL_MODULES``)."""
+    import verl.workers.engine  # noqa: F401 (registers verl's engines)
+
+    keys = []
+    for backend in backends:
+        for key, cls in EngineRegistry._engines.get("language_model", {}).get(backend, {}).items():
+            if cls is FSDPEngineWithLMHead and key not in keys:
+                keys.append(key)
+    return keys or ["cuda", "npu"]
+
+
+def _register(engine_class):
+    """Register ``engine_class`` under every (backend, device key) of verl's FSDP language-model engine."""
+    registry = EngineRegistry._engines.setdefault(ENGINE_MODEL_TYPE, {})
+    for backend in ("fsdp", "fsdp2"):
+        for key in verl_engine_devices((backend,)):
+            registry.setdefault(backend, {})[key] = engine_class
+    return engine_class
+
+
+@_register
 class TokenCreditFSDPEngine(FSDPEngineWithLMHead):
     """verl's FSDP actor engine, plus ``mode_prob`` and ``hidden_residual`` in ``model_output``
     on request (see the module docstring)."""
