@@ -27,7 +27,8 @@ def make_batch(
     lengths=None,
     binary_rewards: bool = True,
     dtype=torch.float32,
-    signals=("logprobs", "old_logprobs", "ref_logprobs", "entropy", "mode_prob", "hidden_residual", "oracle_logprobs", "values"),
+    signals=("logprobs", "old_logprobs", "ref_logprobs", "entropy", "mode_prob", "hidden_residual", "oracle_logprobs", "values",
+             "token_ids"),
 ) -> CreditBatch:
     """A valid batch whose token signals are mutually consistent (taken from real distributions).
 
@@ -69,6 +70,8 @@ def make_batch(
         kw["oracle_logprobs"] = (logp + torch.randn(B, T, generator=gen, dtype=torch.float64)).clamp_max(0).to(dtype)
     if "values" in signals:
         kw["values"] = torch.rand(B, T + 1, generator=gen, dtype=torch.float64).to(dtype)
+    if "token_ids" in signals:
+        kw["token_ids"] = tokens  # the sampled tokens the other signals are of
     return CreditBatch(response_mask=mask, rewards=rewards, group_ids=group_ids, **kw)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tokencredit import CreditBatch, CreditPipeline
 from tokencredit.diagnostics import credit_diagnostics
-from tokencredit.inspector import color, default_specs, load_rollouts, render_html, replay, visible_token, write_page
+from tokencredit.inspector import color, default_specs, load_rollouts, render_html, replay, saved_batch, visible_token, write_page
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -181,7 +181,7 @@ def test_replay_covers_every_available_spec_and_lists_the_rest(saved):
 def test_page_numbers_equal_the_pipeline_output(saved):
     insp = replay(saved)
     page = parse(render_html(saved, insp))
-    batch = CreditBatch(**saved["signals"])
+    batch = saved_batch(saved)  # the saved signals, token_ids from the saved response_ids
     mask = batch.mask
     B = mask.shape[0]
     data = page.data

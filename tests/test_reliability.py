@@ -237,6 +237,7 @@ OUT_OF_RANGE = {
     "save_every": _INT_LE0,
     "keep_last": _INT_LE0,
     "resume": None,
+    "overwrite": None,
     "model.name": None,
     "model.cache_dir": None,
     "model.lora": None,
@@ -494,8 +495,9 @@ def test_a_truncated_latest_checkpoint_falls_back_with_a_warning(tmp_path):
     with pytest.warns(CheckpointWarning, match="step_00000002"):
         tr.train()
     assert tr.step == 3
-    # steps 2 and 3 were trained again from step 1's checkpoint
-    assert [r["step"] for r in _rows(out / "metrics.jsonl")] == [1.0, 2.0, 2.0, 3.0]
+    # steps 2 and 3 were trained again from step 1's checkpoint; step 2's first row (past the
+    # checkpoint resumed from) was dropped, so no step is logged twice
+    assert [r["step"] for r in _rows(out / "metrics.jsonl")] == [1.0, 2.0, 3.0]
     # nothing usable at all: an error that names the folder
     for ck in (out / "checkpoints").iterdir():
         (ck / "state.pt").write_bytes(b"not a checkpoint")

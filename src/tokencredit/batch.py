@@ -21,6 +21,8 @@ mode_prob          [B, T]     top-1 probability of the next-token distribution
 hidden_residual    [B, T]     ARCA salience ||h_adapted - h_base||_2 (>= 0)
 oracle_logprobs    [B, T]     log-probs of y_t under the oracle-prompted (or teacher) model
 values             [B, T + 1] critic values; values[:, t] = V(h_t), the state before token t
+token_ids          [B, T]     the sampled token ids y_t (integers >= 0 on valid positions;
+                              an integer or a floating-point tensor: KTAE's token statistics)
 =================  =========  ===========================================================
 """
 
@@ -50,8 +52,8 @@ TOKEN_SIGNALS = (
     "hidden_residual",
     "oracle_logprobs",
 )
-#: every optional signal a method may declare
-SIGNALS = TOKEN_SIGNALS + ("values",)
+#: every optional signal a method may declare (token_ids: the rollout's own tokens, no model pass)
+SIGNALS = TOKEN_SIGNALS + ("values", "token_ids")
 
 
 def _describe(x: object) -> str:
@@ -75,6 +77,7 @@ class CreditBatch:
     hidden_residual: Optional[Tensor] = None
     oracle_logprobs: Optional[Tensor] = None
     values: Optional[Tensor] = None
+    token_ids: Optional[Tensor] = None
     # derived on construction, not passed by callers
     mask: Tensor = field(init=False, repr=False)
 
@@ -132,6 +135,8 @@ class CreditBatch:
             if badv.any():
                 idx = tuple(int(i) for i in badv.nonzero()[0])
                 raise CreditInputError(f"values: expected finite values on valid positions, got {v[idx].item()} at {idx}")
+        if self.token_ids is not None:
+            self._check_token_ids(self.token_ids, (B, T), bool_mask)
         if self.hidden_residual is not None:
             neg = bool_mask & (self.hidden_residual < 0)
             if neg.any():
@@ -145,6 +150,22 @@ class CreditBatch:
             if out.any():
                 idx = tuple(int(i) for i in out.nonzero()[0])
                 raise CreditInputError(f"mode_prob: expected a probability in [0, 1], got {mp[idx].item()} at {idx}")
+
+    @staticmethod
+    def _check_token_ids(x: object, shape: tuple, bool_mask: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise CreditInputError(f"token_ids: expected a tensor of shape {shape}, got {_describe(x)}")
+        if tuple(x.shape) != shape:
+            raise CreditInputError(f"token_ids: expected shape {shape}, got {tuple(x.shape)}")
+        if x.dtype == torch.bool or x.is_complex():
+            raise CreditInputError(f"token_ids: expected integer token ids, got dtype {x.dtype}")
+        v = x[bool_mask]
+        bad = ~torch.isfinite(v) | (v < 0) | (v != v.round()) if x.is_floating_point() else v < 0
+        if bad.any():
+            idx = tuple(int(i) for i in bool_mask.nonzero()[int(bad.nonzero()[0])])
+            raise CreditInputError(
+                f"token_ids: expected integer token ids >= 0 on valid (mask = 1) positions, got {x[idx].item()} at {idx}"
+            )
 
     @staticmethod
     def _check_signal(name: str, x: object, shape: tuple, bool_mask: Optional[Tensor]) -> None:

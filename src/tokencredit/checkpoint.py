@@ -10,7 +10,7 @@ run code. A file that needs more (a crafted pickle, or one not written by tokenc
 refused with a :class:`CheckpointError` that names it. A damaged newest checkpoint (a truncated
 file) is skipped with a warning by :func:`load_latest_checkpoint`, which falls back to the newest
 intact one; the ``.tmp_step_*`` folders a kill during a save leaves behind are removed at the
-next save.
+next save, and a save that fails (a full disk) removes its own at once and says so in one line.
 """
 
 from __future__ import annotations
@@ -115,22 +115,61 @@ def check_output_dir(path: str | os.PathLike, field: str = "output_dir") -> None
         raise ConfigError(f"{field}: expected a writable directory, got {str(p)!r} ({str(probe)!r} is not writable)")
 
 
+class _CheckpointFile:
+    """The file ``torch.save`` writes a checkpoint into. torch turns an error of the file's
+    ``write`` into a RuntimeError of its own; the OSError itself (a full disk) is kept here."""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], keep_last: int = 2) -> Path:
     """Write ``state`` as ``root/step_XXXXXXXX/state.pt`` atomically and prune old ones.
 
-    Temporary folders left by a save that was killed (``.tmp_step_*``) are removed first."""
+    Temporary folders left by a save that was killed (``.tmp_step_*``) are removed first. A
+    save that fails (a full disk: :class:`~tokencredit.runfolder.DiskFullError`, one line)
+    removes its temporary folder and leaves every earlier checkpoint as it was."""
+    from .runfolder import DiskFullError, is_disk_full
+
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for leftover in root.glob(f"{_TMP_PREFIX}*"):
         shutil.rmtree(leftover, ignore_errors=True)
     final = root / f"step_{step:08d}"
     tmp = root / f"{_TMP_PREFIX}{step:08d}_{os.getpid()}"
-    tmp.mkdir()
-    path = tmp / "state.pt"
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        tmp.mkdir()
+        with open(tmp / "state.pt", "wb") as f:
+            out = _CheckpointFile(f)
+            try:
+                torch.save(state, out)
+            except RuntimeError as e:
+                if out.error is not None:  # the file's own error, not torch's wrapping of it
+                    raise out.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            last = latest_checkpoint(root)
+            raise DiskFullError(
+                tmp / "state.pt",
+                f"checkpoint of step {step} (not written; the last checkpoint, {str(last) if last else 'none'}, is untouched)",
+                e,
+            ) from None
+        raise
     if final.exists():  # same step saved twice (e.g. Ctrl-C right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)

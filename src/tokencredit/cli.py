@@ -17,10 +17,11 @@ def _user_errors() -> tuple:
     """The exception classes that are the user's to fix (each message is one line)."""
     from .checkpoint import CheckpointError
     from .config import ConfigError
+    from .models import ModelError
     from .registry import UnknownMethodError
     from .tasks import DatasetError, RewardFnError
 
-    return (ConfigError, CheckpointError, UnknownMethodError, DatasetError, RewardFnError)
+    return (ConfigError, CheckpointError, UnknownMethodError, DatasetError, RewardFnError, ModelError)
 
 
 class UserExit(SystemExit):
@@ -61,7 +62,11 @@ def _train(args: argparse.Namespace, rest: List[str]) -> int:
     cfg = load_config(args.config, rest)
     trainer = Trainer(cfg)
     last = trainer.train()
-    if trainer.step < cfg.steps:  # stopped by Ctrl-C (the trainer said where it stands)
+    if trainer.step < cfg.steps:  # stopped by Ctrl-C or SIGTERM (the trainer said where it stands)
+        if trainer.stopped_by == "SIGTERM":  # 128 + 15, as a process killed by SIGTERM
+            print(f"train stopped by SIGTERM at step {trainer.step} of {cfg.steps}; continue with --resume "
+                  f"--output-dir {trainer.out}", file=sys.stderr)
+            return 143
         print(f"train interrupted at step {trainer.step} of {cfg.steps}", file=sys.stderr)
         return 130
     if not last:  # --resume of a run that had already reached cfg.steps
@@ -156,17 +161,16 @@ def _compare_report(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .compare import parse_seeds, parse_specs, write_report
+    from .compare import parse_seeds, parse_specs, read_meta, write_report
 
     out = Path(args.output_dir)
-    meta_file = out / "compare.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
     try:
+        meta = read_meta(out) if not (args.credit and args.seeds) else {}
         specs = parse_specs(args.credit if args.credit else meta.get("specs"), "--credit")
         seeds = parse_seeds(args.seeds if args.seeds else meta.get("seeds"), "--seeds")
+        path = write_report(out, specs, seeds, steps=meta.get("steps"))
     except ValueError as e:
         raise SystemExit(f"tokencredit compare: {e}") from None
-    path = write_report(out, specs, seeds, steps=meta.get("steps"))
     print(f"report: {path}")
     return 0
 
@@ -274,13 +278,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(msg, file=sys.stderr)
         raise UserExit(msg) from None
     except Exception as e:
+        from .runfolder import is_disk_full
         from .trainer import NonFiniteError
 
-        if debug or not isinstance(e, _user_errors() + (NonFiniteError,)):
+        disk_full = is_disk_full(e)
+        if debug or not (disk_full or isinstance(e, _user_errors() + (NonFiniteError,))):
             raise
+        if disk_full and "no space left" not in str(e):  # a write outside the run's own writers
+            e = OSError(f"no space left on device writing {e.filename!r}" if e.filename else "no space left on device")
         msg = f"tokencredit {args.command}: {_one_line(e)}"
         print(msg, file=sys.stderr)
-        if isinstance(e, NonFiniteError):  # the run failed, the input was fine: exit 1
+        if disk_full or isinstance(e, NonFiniteError):  # the run failed, the input was fine: exit 1
             raise SystemExit(1) from None
         raise UserExit(msg) from None
 

@@ -133,27 +133,42 @@ def run_path(output_dir: Path, spec: str, seed: int) -> Path:
 
 def read_metrics(path: Path, max_step: Optional[int] = None) -> List[Dict[str, float]]:
     """The rows of a ``metrics.jsonl``, sorted by step, one per step (a step logged twice --
-    after an interrupted run resumed -- keeps its last row). Rows past ``max_step`` are
-    dropped; a torn last line (a killed process) is ignored. Missing file -> ``[]``."""
-    path = Path(path)
-    if not path.exists():
-        return []
+    by a run written before resumes dropped the rows past their checkpoint -- keeps its last
+    row). Rows past ``max_step`` are dropped; a line that is not a JSON object (a torn last
+    line of a killed process, damage) or has no numeric step is skipped with a
+    :class:`~tokencredit.runfolder.RunFolderWarning` naming it. Missing file -> ``[]``."""
+    import warnings
+
+    from .runfolder import RunFolderWarning
+    from .runfolder import read_metrics as read_rows
+
     by_step: Dict[int, Dict[str, float]] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
+    for row in read_rows(path):
+        step = row.get("step")
+        if not _finite(step):
+            warnings.warn(f"{path}: a row without a numeric step ({str(step)[:40]!r}) skipped", RunFolderWarning, stacklevel=2)
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(row, dict) or "step" not in row:
-            continue
-        step = int(row["step"])
+        step = int(step)
         if max_step is not None and step > max_step:
             continue
         by_step[step] = row
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_meta(output_dir: Path) -> Dict[str, Any]:
+    """``<out>/compare.json`` (the specs, seeds and steps a compare ran), ``{}`` when there is
+    none; a damaged one is a ValueError naming it."""
+    f = Path(output_dir) / "compare.json"
+    if not f.exists():
+        return {}
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{f}: expected the JSON compare writes, got a damaged file ({type(e).__name__}); "
+                         f"give --credit and --seeds, or remove it") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(meta).__name__}; give --credit and --seeds, or remove it")
+    return meta
 
 
 def is_finished(run_dir: Path, steps: int) -> bool:
@@ -473,30 +488,15 @@ def check_run_config(run_dir: Path, cfg) -> None:
 
 
 def _prepare_resume(run_dir: Path, cfg) -> Optional[int]:
-    """Decide how an existing, unfinished run continues; returns the checkpoint step resumed
-    from, or None for a fresh start. Metrics rows past the checkpoint (logged, then lost by the
-    interruption) are dropped so the resumed run does not log a step twice."""
+    """The checkpoint step an existing, unfinished run resumes from, or None when it has no
+    checkpoint (it starts again; the trainer moves the old files aside). On resume the
+    trainer drops the metrics rows past the checkpoint, so no step is logged twice."""
     from .checkpoint import latest_checkpoint
 
-    metrics = run_dir / "metrics.jsonl"
     ck = latest_checkpoint(run_dir / "checkpoints")
     if ck is None:
-        if metrics.exists():
-            metrics.unlink()  # no checkpoint: start over, without the lost steps' rows
         return None
-    step = int(ck.name.rsplit("_", 1)[1])  # checkpoint directories are step_XXXXXXXX
-    if metrics.exists():
-        keep = [line for line in metrics.read_text().splitlines() if _row_step(line) is not None and _row_step(line) <= step]
-        metrics.write_text("".join(line + "\n" for line in keep))
-    return step
-
-
-def _row_step(line: str) -> Optional[int]:
-    try:
-        row = json.loads(line)
-        return int(row["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
+    return int(ck.name.rsplit("_", 1)[1])  # checkpoint directories are step_XXXXXXXX
 
 
 def run_one(cfg, trainer_factory: Optional[Callable] = None, log: Callable[[str], None] = print) -> str:
@@ -510,11 +510,15 @@ def run_one(cfg, trainer_factory: Optional[Callable] = None, log: Callable[[str]
         return "skipped"
     status = "started"
     if run_dir.exists():
+        from .runfolder import holds_run
+
         step = _prepare_resume(run_dir, cfg)
         if step is not None:
             cfg = dataclasses.replace(cfg, resume=True)
             status = "resumed"
             log(f"  resuming from step {step}")
+        elif holds_run(run_dir):  # interrupted before its first checkpoint: start again
+            cfg = dataclasses.replace(cfg, overwrite=True)
     trainer = trainer_factory(cfg)
     trainer.train()
     if trainer.step < cfg.steps:  # the trainer caught Ctrl-C and saved a checkpoint

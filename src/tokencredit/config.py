@@ -109,8 +109,72 @@ def _choices() -> Dict[str, list]:
 
 
 def _show(v: Any) -> str:
-    s = repr(v)
+    s = _REPR.repr(v)  # bounded: never the repr of a whole (aliased, huge) value
     return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _bounded_repr():
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 6, 6, 6, 6
+    r.maxstring, r.maxother, r.maxlong = 80, 80, 80
+    return r
+
+
+_REPR = _bounded_repr()
+
+#: bounds of a YAML document (a config file, a credit_args value): a config is a few dozen values
+#: nested four levels deep; a document past these would take unbounded time or memory to expand
+#: (nested aliases, "billion laughs") or to walk (deep nesting), so it is refused before any use
+YAML_MAX_DEPTH = 32
+YAML_MAX_VALUES = 10_000
+
+
+class _YamlTooBig(Exception):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with the nesting depth bounded while composing (it recurses)."""
+
+    def compose_node(self, parent, index):
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > YAML_MAX_DEPTH:
+                raise _YamlTooBig(f"nesting deeper than {YAML_MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _expanded_size_ok(value: Any) -> None:
+    """Count the values of ``value`` as its users would see them (an alias counts each time it
+    is used), stopping at :data:`YAML_MAX_VALUES`: the cost is bounded, whatever the document."""
+    n, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        n += 1
+        if n > YAML_MAX_VALUES:
+            raise _YamlTooBig(f"more than {YAML_MAX_VALUES} values once its aliases are expanded")
+        if depth > YAML_MAX_DEPTH:
+            raise _YamlTooBig(f"nesting deeper than {YAML_MAX_DEPTH} levels")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, depth + 1) for x in v)
+
+
+def load_yaml_bounded(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)`` with its depth and expanded size bounded (see
+    :data:`YAML_MAX_DEPTH`, :data:`YAML_MAX_VALUES`); a :class:`ConfigError` naming ``where``."""
+    try:
+        value = yaml.load(text, Loader=_BoundedLoader)
+        _expanded_size_ok(value)
+    except _YamlTooBig as e:
+        raise ConfigError(f"{where}: expected a config of at most {YAML_MAX_VALUES} values nested at most "
+                          f"{YAML_MAX_DEPTH} levels, got {e}") from None
+    return value
 
 
 def _one_line(e: BaseException) -> str:
@@ -345,6 +409,8 @@ class TrainConfig:
     save_every: int = 10  # a checkpoint every N steps (and at the last)
     keep_last: int = 2  # checkpoints kept; older ones are deleted
     resume: bool = False  # continue output_dir's run from its latest checkpoint (same settings)
+    # start again in an output_dir that holds a run: the old run's files are moved to <output_dir>.old-<k>
+    overwrite: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -479,7 +545,7 @@ def parse_credit_args(args) -> Dict[str, Dict[str, Any]]:
         key, value = a.split("=", 1)
         method, name = key.split(".", 1)
         try:
-            out.setdefault(method, {})[name] = yaml.safe_load(value)
+            out.setdefault(method, {})[name] = load_yaml_bounded(value, f"credit_args: {key}")
         except yaml.YAMLError as e:
             raise ConfigError(f"credit_args: expected a YAML value after '=', got {_show(a)} ({_one_line(e)})") from None
     return out
@@ -644,7 +710,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
         if not p.is_file():
             raise ConfigError(f"--config: expected a YAML file, got {str(p)!r} ({'a directory' if p.exists() else 'no such file'})")
         try:
-            from_yaml = yaml.safe_load(p.read_text()) or {}
+            from_yaml = load_yaml_bounded(p.read_text(), f"--config: {p}") or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"--config: {p} is not valid YAML ({_one_line(e)})") from None
     base = _from_dict(TrainConfig, from_yaml, "")
@@ -683,7 +749,7 @@ def config_to_dict(cfg: TrainConfig) -> Dict[str, Any]:
 #: linear or cosine schedule the remaining steps follow the new length). Everything else must
 #: equal the checkpoint's configuration; ``compare`` uses the same set to recognise its runs.
 SAFE_TO_CHANGE = frozenset(
-    {"steps", "resume", "output_dir", "save_every", "keep_last", "threads", "device", "log", "model.cache_dir"}
+    {"steps", "resume", "overwrite", "output_dir", "save_every", "keep_last", "threads", "device", "log", "model.cache_dir"}
 )
 
 

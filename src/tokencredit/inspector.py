@@ -137,14 +137,23 @@ def check_rollouts(saved: Any, where: str = "rollouts") -> None:
             raise ValueError(f"{where}: tokens[{i}] has {len(row)} entries, response_mask row {i} has {n} valid positions")
 
 
+def _signals_of(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """The saved signals; ``token_ids`` from the saved ``response_ids`` when the step did not
+    store them (the rollout's own tokens are in every rollouts file)."""
+    sig = {k: v for k, v in saved["signals"].items() if v is not None}
+    if "token_ids" not in sig and saved.get("response_ids") is not None:
+        sig["token_ids"] = torch.as_tensor(saved["response_ids"])
+    return sig
+
+
 def saved_batch(saved: Dict[str, Any]) -> CreditBatch:
     """The saved :class:`CreditBatch` (validated again)."""
-    fields = {k: v for k, v in saved["signals"].items() if v is not None}
-    return CreditBatch(**fields)
+    return CreditBatch(**_signals_of(saved))
 
 
 def available_signals(saved: Dict[str, Any]) -> List[str]:
-    return [k for k in SIGNALS if saved["signals"].get(k) is not None]
+    sig = _signals_of(saved)
+    return [k for k in SIGNALS if k in sig]
 
 
 # ---------------------------------------------------------------------------------------

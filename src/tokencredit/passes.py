@@ -135,6 +135,8 @@ def run_passes(
     finally:
         policy.train(was_training)
     res = {k: torch.cat(v) for k, v in out.items()}
+    if "token_ids" in plan.signals:  # the rollout's own tokens: no pass
+        res["token_ids"] = inp.response_ids
     for k, v in given.items():
         if k in plan.signals:
             res.setdefault(k, v)

@@ -13,6 +13,7 @@ each computed once and shared by every signal it serves:
     oracle        the policy or a teacher, on the      oracle_logprobs
                   oracle prompt or the student's own
     critic        a value head on the policy's hidden  values
+    (none)        the rollout's own sampled tokens     token_ids
 
 A trainer knows passes, never method names: ``tests/test_external_method.py`` registers methods
 from outside the package and runs them through both trainers.

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from .batch import CreditBatch
 from .checkpoint import check_output_dir, latest_checkpoint, load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .runfolder import MetricsWriter, check_run_folder, claim_run_folder, write_atomic
 from .config import SAFE_TO_CHANGE, ConfigError, TrainConfig, config_diff, config_to_dict
 from .batch import SIGNALS
 from .forward import forward_response
@@ -87,6 +88,10 @@ class Trainer:
         cfg.validate()
         check_output_dir(cfg.output_dir)
         self.out = Path(cfg.output_dir)
+        # a run folder belongs to one run: a fresh run where one is, or a folder another live
+        # run holds, is refused here (runfolder.claim_run_folder takes the lock in train())
+        check_run_folder(self.out, resume=cfg.resume, overwrite=cfg.overwrite)
+        self._owns_run = False
         if cfg.resume:
             self._check_resume_config(self.out / "config.json")
         torch.manual_seed(cfg.seed)
@@ -121,12 +126,17 @@ class Trainer:
                 )
 
         # -- models ---------------------------------------------------------------------
-        from .models import ValueHead, add_lora, is_lora, load_frozen, resolve_model
+        from .models import ValueHead, add_lora, check_chat_template, check_generation_budget, is_lora, load_frozen, resolve_model
 
         if model is None:
             model, tokenizer = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
         if tokenizer is None:
             raise ValueError("tokenizer: expected a tokenizer when a model is passed in, got None")
+        # before training starts: a model without a chat template, or prompts + budget that do
+        # not fit its context, is one line instead of a traceback (or a run out of memory)
+        check_chat_template(tokenizer, cfg.model.name)
+        check_generation_budget(model, tokenizer, [(e.id, e.messages) for e in list(self.task.train) + list(self.task.eval)],
+                                cfg.rollout.max_new_tokens, cfg.model.name)
         if cfg.model.lora and not is_lora(model):
             model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
         self.model = model.to(self.device)
@@ -140,11 +150,11 @@ class Trainer:
         if self.plan.reference:
             if reference is None:
                 named = cfg.model.reference not in (None, "self")
-                reference = load_frozen(cfg.model.reference)[0] if named else _frozen_copy(self.model)
+                reference = load_frozen(cfg.model.reference, field="model.reference")[0] if named else _frozen_copy(self.model)
             self.reference = reference.to(self.device)
         self.teacher = None
         if cfg.model.teacher is not None or teacher is not None:
-            self.teacher = (teacher if teacher is not None else load_frozen(cfg.model.teacher)[0]).to(self.device)
+            self.teacher = (teacher if teacher is not None else load_frozen(cfg.model.teacher, field="model.teacher")[0]).to(self.device)
         self.critic = None
         if self.plan.critic is not None:
             hidden_size = _decoder_and_head(self.model)[1].weight.shape[1]
@@ -165,6 +175,8 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.offset = 0
+        self._resumed = False  # the checkpoint of cfg.resume is loaded once (a second train() goes on)
+        self.stopped_by: Optional[str] = None
         self._order = self._permutation(0)
         self._writers: List[Any] = []
 
@@ -584,15 +596,16 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def _log(self, metrics: Dict[str, float]) -> None:
-        self._metrics_file.write(json.dumps(metrics) + "\n")
-        self._metrics_file.flush()
+        self._metrics_file.write(metrics)  # a whole line, fsynced (runfolder.MetricsWriter)
         for w in self._writers:
             w(metrics, self.step)
 
-    def _open_logs(self) -> None:
+    def _open_logs(self, resume_step: Optional[int] = None) -> None:
+        """config.json, and metrics.jsonl opened for whole-line appends: a torn last line is
+        cut off, and on resume (``resume_step``) the rows past the checkpoint are dropped."""
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2))
-        self._metrics_file = open(self.out / "metrics.jsonl", "a")
+        write_atomic(self.out / "config.json", json.dumps(config_to_dict(self.cfg), indent=2), "config.json")
+        self._metrics_file = MetricsWriter(self.out / "metrics.jsonl", resume_step=resume_step)
         if self.cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -605,27 +618,48 @@ class Trainer:
             self._writers.append(lambda m, s: wandb.log(m, step=s))
 
     def train(self) -> Dict[str, float]:
+        """Train to ``cfg.steps``, holding the run folder's lock (runfolder.claim_run_folder)
+        for the whole run. A second ``train()`` of the same trainer continues its own run."""
+        from .runfolder import DiskFullError
+
+        lock = claim_run_folder(self.out, resume=self.cfg.resume or self._owns_run, overwrite=self.cfg.overwrite)
+        self._owns_run = True
+        try:
+            return self._train()
+        except DiskFullError as e:
+            e.message += (f"; the run stopped at step {self.step}, the last checkpoint "
+                          f"({latest_checkpoint(self.out / 'checkpoints')}) is intact: free space and continue with --resume")
+            raise
+        finally:
+            lock.release()
+
+    def _train(self) -> Dict[str, float]:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        if cfg.resume:
+        self.stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
+        resume_step = None
+        if cfg.resume and not self._resumed:
             # the newest intact checkpoint (a damaged one is skipped with a warning), refused if
             # it was trained with other settings than these
             ck, sd = load_latest_checkpoint(self.out / "checkpoints")
             self._check_resume_config(sd.get("config"), where=ck / "state.pt")
             self.load_state_dict(sd)
+            self._resumed, resume_step = True, self.step
             print(f"resumed from {ck} at step {self.step}")
-        self._open_logs()
+        self._open_logs(resume_step)
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.log.progress, desc=f"train {self.credit.name}")
         last: Dict[str, float] = {}
         # Ctrl-C: the first one lets the running step finish, then a checkpoint is written and the
         # run stops; a second one (or one between steps) stops at once. A step that was cut off
         # half-way has already changed the data position, RNG and maybe the weights, so it is
-        # never checkpointed: the last good checkpoint stays as it is.
+        # never checkpointed: the last good checkpoint stays as it is. SIGTERM (schedulers,
+        # `timeout`, container stops) is handled the same way.
         self._dirty, self._stop_requested = False, False
-        prev_handler = None
+        prev_handlers = {}
         if threading.current_thread() is threading.main_thread():
-            prev_handler = signal.signal(signal.SIGINT, self._on_sigint)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                prev_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             if self.step == 0 and cfg.log.eval_at_start and not cfg.resume:
                 self._log({"step": 0.0, **self.evaluate()})
@@ -658,8 +692,8 @@ class Trainer:
                 path = self.save()
                 print(f"\ninterrupted at step {self.step}: checkpoint written to {path}; continue with --resume")
         finally:
-            if prev_handler is not None:
-                signal.signal(signal.SIGINT, prev_handler)
+            for sig, handler in prev_handlers.items():
+                signal.signal(sig, handler)
             bar.close()
             self._metrics_file.close()
         return last
@@ -688,11 +722,16 @@ class Trainer:
                 f"may change) or train in a new output_dir"
             )
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        self.stopped_by = self.stopped_by or name
         if self._stop_requested or not self._dirty:
             raise KeyboardInterrupt
         self._stop_requested = True
-        print("\nCtrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to stop now)", flush=True)
+        what = "Ctrl-C" if signum == signal.SIGINT else name
+        print(f"\n{what}: finishing this step, then writing a checkpoint ({what} again to stop now)", flush=True)
+
+    _on_sigint = _on_signal
 
     def export(self, path: Optional[str] = None) -> Path:
         """Save the final model (or adapter) and tokenizer in Hugging Face format."""

@@ -1,0 +1,302 @@
+"""A run folder belongs to one run: ownership, a lock, and writes a kill cannot tear.
+
+* :func:`check_run_folder` (before any model loads) and :func:`claim_run_folder` (when the run
+  starts): a fresh ``train`` into a folder that holds a run (``config.json``,
+  ``metrics.jsonl`` or ``checkpoints/``) is refused in one line: ``--resume`` continues it,
+  ``--overwrite`` starts again after moving the old run's files aside into a sibling folder
+  ``<name>.old-<k>`` (nothing is deleted).
+* :class:`RunLock`: an exclusive lock (``filelock``, an ``flock`` on ``<run>/.lock``) held for
+  the run's life; a second run on the folder is refused with a line naming the holder's pid.
+  The kernel drops the lock when its process dies, so a killed run never leaves the folder
+  locked.
+* :class:`MetricsWriter`: ``metrics.jsonl`` written a whole record at a time (one ``write`` of
+  the line, then ``fsync``); a record a failed write left half-written is cut off again; on
+  open a torn last line (a kill inside a write) is removed with a warning, and a resumed run
+  drops the rows past its checkpoint's step (they are trained again), so no row is lost or
+  logged twice. :func:`read_metrics` reads the file and skips a damaged line with a warning.
+* :func:`write_atomic`: a small file written to a temporary sibling and renamed into place;
+  a full disk is a :class:`DiskFullError` (one line) and leaves no temporary file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .config import ConfigError
+
+__all__ = [
+    "RUN_FILES",
+    "DiskFullError",
+    "MetricsWriter",
+    "RunFolderError",
+    "RunFolderWarning",
+    "RunLock",
+    "check_run_folder",
+    "claim_run_folder",
+    "holds_run",
+    "read_metrics",
+    "write_atomic",
+]
+
+#: the entries that make a folder a run's (their presence refuses a fresh ``train``)
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")
+#: what ``--overwrite`` moves aside: the run's own entries (anything else in the folder stays)
+RUN_ENTRIES = RUN_FILES + ("eval", "final", "tensorboard", "wandb")
+LOCK_NAME = ".lock"
+PID_NAME = ".lock.pid"
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+class RunFolderError(ConfigError):
+    """A run folder that cannot take this run (holds another run, or is in use); one line."""
+
+
+class RunFolderWarning(UserWarning):
+    """A repaired or skipped ``metrics.jsonl`` line, or rows dropped on resume."""
+
+
+class DiskFullError(OSError):
+    """A write that failed for want of space; ``str()`` is one line naming the file, and the
+    writer left no partial file behind."""
+
+    def __init__(self, path: os.PathLike | str, what: str, cause: OSError):
+        super().__init__(cause.errno, os.strerror(cause.errno or errno.ENOSPC), str(path))
+        self.message = f"{what}: no space left on device writing {str(path)!r} ({os.strerror(cause.errno or errno.ENOSPC)})"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in _NO_SPACE
+
+
+# -- ownership -----------------------------------------------------------------------------
+
+
+def holds_run(path: os.PathLike | str) -> List[str]:
+    """The run entries (:data:`RUN_FILES`) present in ``path``."""
+    p = Path(path)
+    return [name for name in RUN_FILES if (p / name).exists()]
+
+
+def _aside_name(path: Path) -> Path:
+    k = 1
+    while (path.parent / f"{path.name}.old-{k}").exists():
+        k += 1
+    return path.parent / f"{path.name}.old-{k}"
+
+
+def _refusal(path: Path, found: List[str]) -> RunFolderError:
+    return RunFolderError(
+        f"output_dir: {str(path)!r} already holds a run ({', '.join(found)}); continue it with --resume, "
+        f"start again with --overwrite (the old run is moved to {str(_aside_name(path))!r}, nothing is deleted), "
+        f"or choose another --output-dir"
+    )
+
+
+def check_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool) -> None:
+    """Refuse, before any model loads, a run this folder cannot take: a fresh run where a run
+    is (without ``overwrite``), ``resume`` with ``overwrite``, or a folder another live run
+    holds (the message names its pid)."""
+    p = Path(path)
+    if resume and overwrite:
+        raise RunFolderError("overwrite: expected false with --resume (--resume continues the run, --overwrite "
+                             "moves it aside and starts again), got true")
+    found = holds_run(p)
+    if found and not resume and not overwrite:
+        raise _refusal(p, found)
+    if (p / LOCK_NAME).exists():
+        RunLock(p).acquire().release()  # only to say who holds it, before a model loads
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the run's life (``filelock.FileLock`` on
+    ``<folder>/.lock``, non-blocking); the holder's pid is written next to it."""
+
+    def __init__(self, folder: os.PathLike | str):
+        from filelock import FileLock
+
+        self.folder = Path(folder)
+        self._lock = FileLock(str(self.folder / LOCK_NAME))
+
+    def acquire(self) -> "RunLock":
+        from filelock import Timeout
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            try:
+                holder = (self.folder / PID_NAME).read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            raise RunFolderError(
+                f"output_dir: {str(self.folder)!r} is in use by another run (pid {holder}); wait for it to end, "
+                f"stop it, or choose another --output-dir"
+            ) from None
+        try:
+            (self.folder / PID_NAME).write_text(f"{os.getpid()}\n")
+        except OSError:
+            self._lock.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            try:
+                (self.folder / PID_NAME).unlink()
+            except OSError:
+                pass
+            self._lock.release()
+
+
+def claim_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool, log=print) -> RunLock:
+    """Take the folder's lock for this run and return it (release it when the run ends).
+
+    Under the lock the folder is checked again (a run may have been written since
+    :func:`check_run_folder`); with ``overwrite`` the old run's entries are moved into
+    ``<name>.old-<k>`` next to the folder, and ``log`` says where."""
+    p = Path(path)
+    lock = RunLock(p).acquire()
+    try:
+        found = holds_run(p)
+        if found and not resume:
+            if not overwrite:
+                raise _refusal(p, found)
+            aside = _aside_name(p)
+            aside.mkdir()
+            for name in RUN_ENTRIES:
+                if (p / name).exists():
+                    os.replace(p / name, aside / name)
+            log(f"--overwrite: the old run in {str(p)!r} was moved to {str(aside)!r}")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+# -- writes ----------------------------------------------------------------------------------
+
+
+def write_atomic(path: os.PathLike | str, text: str, what: Optional[str] = None) -> None:
+    """``text`` into ``path`` through a temporary sibling renamed into place (fsynced): a kill
+    leaves the old file or the new one. A full disk is a :class:`DiskFullError` and leaves
+    no temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if is_disk_full(e):
+            raise DiskFullError(path, what or path.name, e) from None
+        raise
+
+
+def _row_step(line: bytes) -> Optional[float]:
+    try:
+        row = json.loads(line)
+        return float(row["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class MetricsWriter:
+    """Append-only ``metrics.jsonl``: one ``write`` of a whole line, then ``fsync``.
+
+    On open a torn last line is cut off with a :class:`RunFolderWarning`; with ``resume_step``
+    (the step of the checkpoint a run resumes from) the rows of later steps are dropped, with
+    a line through ``log``: those steps are trained and logged again."""
+
+    def __init__(self, path: os.PathLike | str, *, resume_step: Optional[int] = None, log=print):
+        self.path = Path(path)
+        if self.path.exists():
+            self._repair(resume_step, log)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+
+    def _repair(self, resume_step: Optional[int], log) -> None:
+        data = self.path.read_bytes()
+        keep = data
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1
+            keep = data[:cut]
+            warnings.warn(
+                f"{self.path}: a torn last line ({len(data) - cut} bytes, a write cut short by a kill) was removed",
+                RunFolderWarning, stacklevel=3,
+            )
+        if resume_step is not None:
+            lines = keep.splitlines(keepends=True)
+            later = [s for s in (_row_step(ln) for ln in lines) if s is not None and s > resume_step]
+            if later:
+                keep = b"".join(ln for ln in lines if not ((s := _row_step(ln)) is not None and s > resume_step))
+                log(f"metrics.jsonl: {len(later)} row(s) of steps past the checkpoint (step {resume_step}) removed; "
+                    f"those steps are trained again")
+        if keep != data:
+            write_atomic(self.path, keep.decode("utf-8", errors="surrogateescape"), "metrics.jsonl")
+
+    def _write_bytes(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+
+    def write(self, row: Dict[str, Any]) -> None:
+        data = (json.dumps(row) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            self._write_bytes(data)
+            os.fsync(self._fd)
+        except OSError as e:
+            try:  # never leave half a record behind
+                os.ftruncate(self._fd, size)
+            except OSError:
+                pass
+            if is_disk_full(e):
+                raise DiskFullError(self.path, "metrics.jsonl", e) from None
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_metrics(path: os.PathLike | str) -> List[Dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` in file order. A line that is not a JSON object (a torn
+    last line, damage) is skipped with a :class:`RunFolderWarning` naming the file and line.
+    A missing file is ``[]``."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    if not path.is_file():
+        raise RunFolderError(f"metrics: expected a file, got {str(path)!r}, which is a directory")
+    data = path.read_bytes()
+    rows = []
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            row = None
+        if not isinstance(row, dict):
+            torn = i == len(lines) and not data.endswith(b"\n")
+            warnings.warn(f"{path}:{i}: {'a torn last line' if torn else 'not a JSON object'}, skipped",
+                          RunFolderWarning, stacklevel=2)
+            continue
+        rows.append(row)
+    return rows
