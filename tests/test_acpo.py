@@ -197,6 +197,7 @@ def test_finite_masked_and_padding_invariant():
 @pytest.mark.parametrize("bad,field", [
     ({"beta_pos": -1.0}, "beta_pos"), ({"beta_neg": math.nan}, "beta_neg"), ({"w_min": 1.5}, "w_min"),
     ({"w_min": -0.1}, "w_min"), ({"w_max": 0.5}, "w_max"), ({"mode_tol": -1.0}, "mode_tol"),
+    ({"branch": "outcome"}, "branch"),
 ])
 def test_config_errors(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -303,7 +304,7 @@ def test_mixed_sign_trajectory_uses_each_signs_signal_and_never_flips_a_sign():
     g = torch.Generator().manual_seed(3)
     adv = torch.randn(6, 7, generator=g, dtype=torch.float64)
     adv[adv.abs() < 0.2] = 0.0
-    cfg = ACPOConfig(beta_pos=0.6, beta_neg=0.9, w_min=0.0, w_max=10.0)
+    cfg = ACPOConfig(beta_pos=0.6, beta_neg=0.9, w_min=0.0, w_max=10.0, branch="token")
     out = acpo(batch, adv, cfg)
     u = _u(probs)
     c = torch.where(is_mode, batch.logprobs.detach().exp(), torch.zeros(()).double())
@@ -311,7 +312,8 @@ def test_mixed_sign_trajectory_uses_each_signs_signal_and_never_flips_a_sign():
                        torch.where(adv < 0, 1 + 0.9 * (c - c.mean(1, keepdim=True)), torch.ones_like(u)))
     torch.testing.assert_close(out.token_weights, want)
     # defaults, and betas large enough that the clip binds: w >= w_min > 0, signs preserved
-    for cfg in (ACPOConfig(), ACPOConfig(beta_pos=50.0, beta_neg=50.0)):
+    for cfg in (ACPOConfig(), ACPOConfig(beta_pos=50.0, beta_neg=50.0), ACPOConfig(branch="token"),
+                ACPOConfig(beta_pos=50.0, beta_neg=50.0, branch="token")):
         o = acpo(batch, adv, cfg)
         nz = adv != 0
         assert (o.advantages[nz] * adv[nz] > 0).all()
@@ -354,3 +356,32 @@ def test_the_surrogate_acpo_uses_is_within_the_true_entropy_bounds():
         torch.testing.assert_close(d, (lo - lo[:, :1]) / LOG2)
         if V == 2:
             torch.testing.assert_close(d, (H - H[:, :1]) / LOG2)
+
+
+def test_branch_is_the_rollouts_outcome_not_each_tokens_sign():
+    """The abstract's "successful rollouts" / "failed rollouts": every token of a rollout whose
+    credit sums above 0 follows the uncertainty branch, whatever its own sign; below 0 the
+    confidence branch. Under GRPO (one sign per rollout) the two readings agree; after OPPO
+    without anchoring (per-token signs) they differ, and only on the tokens against the outcome."""
+    batch, _, _, probs, is_mode = _real_batch(2)
+    u = _u(probs)
+    c = torch.where(is_mode, batch.logprobs.detach().exp(), torch.zeros(()).double())
+    w_pos = 1 + 0.6 * (u - u.mean(1, keepdim=True))
+    w_neg = 1 + 0.9 * (c - c.mean(1, keepdim=True))
+    kw = dict(beta_pos=0.6, beta_neg=0.9, w_min=0.0, w_max=10.0)
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(6, 7, generator=g, dtype=torch.float64)
+    adv[2] = adv[2].abs() * 0.0  # a rollout with no credit: untouched
+    out = acpo(batch, adv, ACPOConfig(**kw))
+    d = torch.sign(adv.sum(1, keepdim=True))
+    want = torch.where(adv == 0, torch.ones_like(u), torch.where(d > 0, w_pos, torch.where(d < 0, w_neg, torch.ones_like(u))))
+    torch.testing.assert_close(out.token_weights, want)
+    tok = acpo(batch, adv, ACPOConfig(branch="token", **kw))
+    against = (torch.sign(adv) != d) & (adv != 0)
+    assert against.any()
+    assert (out.token_weights[against] != tok.token_weights[against]).all()
+    torch.testing.assert_close(out.token_weights[~against], tok.token_weights[~against])
+    # GRPO credit (one sign per rollout): the two branches give the same credit
+    grpo = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64).unsqueeze(1).expand(6, 7).clone()
+    torch.testing.assert_close(acpo(batch, grpo, ACPOConfig(**kw)).advantages,
+                               acpo(batch, grpo, ACPOConfig(branch="token", **kw)).advantages)

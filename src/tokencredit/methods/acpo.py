@@ -5,10 +5,21 @@
     u_t  = Hs_t / log 2                                      uncertainty in [0, 1]
     c_t  = exp(l_t)  if y_t is the mode  else 0              confidence of the sampled token
            (y_t is taken to be the mode when l_t >= log p_t - mode_tol)
-    A_t > 0:  w_t = 1 + beta_pos (u_t - mean_traj u)         uncertain steps of successes
-    A_t < 0:  w_t = 1 + beta_neg (c_t - mean_traj c)         overconfident steps of failures
-    A_t = 0:  w_t = 1
+    d_b  = sign(sum_t A_t)                                   the rollout's outcome direction
+    d_b > 0:  w_t = 1 + beta_pos (u_t - mean_traj u)         uncertain steps of successful rollouts
+    d_b < 0:  w_t = 1 + beta_neg (c_t - mean_traj c)         overconfident steps of failed rollouts
+    A_t = 0 or d_b = 0:  w_t = 1
     w_t  = clip(w_t, w_min, w_max);   A'_t = w_t A_t
+
+Branch selection (``branch``): the abstract speaks of "successful rollouts" and "failed
+rollouts", an outcome of the whole response, so by default (``"rollout"``) the branch is the
+rollout's outcome direction, read from its incoming credit as ``sign(sum_t A_t)``: the sign of
+the outcome advantage under GRPO / RLOO / Dr. GRPO, and of ``R - V_0`` under estimators whose
+credits telescope (OPPO without anchoring, PACT's credit). It is read from the advantages, not
+the rewards, because verl's loss-side calibration sees no rewards. ``"token"`` selects by the
+sign of each token's own incoming advantage (the earlier reconstruction); the two agree when
+every token of a rollout has its outcome's sign (GRPO, OPPO anchored), and differ after an
+estimator with per-token signs (``oppo+acpo`` with ``oppo.anchor=off``).
 
 ``mean_traj`` is the mean over the trajectory's valid tokens, so before clipping the weights of
 a trajectory whose credit has one sign (GRPO) average exactly 1: the trajectory's total credit
@@ -84,8 +95,14 @@ class ACPOConfig:
     # reconstructed: log-prob slack when testing "y_t is the mode"; absorbs float rounding
     # between the log-softmax that gives l_t and the softmax max that gives p_t
     mode_tol: float = 1e-3
+    # the abstract: "uncertain decisions in successful rollouts ... overconfident tokens in failed
+    # rollouts": "rollout" picks the branch by the rollout's outcome direction sign(sum_t A_t);
+    # "token" by each token's own advantage sign
+    branch: str = "rollout"
 
     def __post_init__(self):
+        if self.branch not in ("rollout", "token"):
+            raise ValueError(f"acpo branch: expected 'rollout' or 'token', got {self.branch!r}")
         for name in ("beta_pos", "beta_neg"):
             v = getattr(self, name)
             if not (_is_number(v) and v >= 0.0):
@@ -121,8 +138,12 @@ def acpo(batch: CreditBatch, advantages: Tensor, config: ACPOConfig, state=None)
     c = torch.where(is_mode, torch.exp(logp), torch.zeros((), dtype=dt, device=adv.device))
     w_pos = 1.0 + config.beta_pos * (u - row_mean(u, mask))
     w_neg = 1.0 + config.beta_neg * (c - row_mean(c, mask))
-    pos = mask & (adv > 0)
-    neg = mask & (adv < 0)
+    nz = mask & (adv != 0)
+    if config.branch == "rollout":
+        d = torch.sign(masked_fill_zero(adv, mask).sum(1, keepdim=True))
+        pos, neg = nz & (d > 0), nz & (d < 0)
+    else:
+        pos, neg = mask & (adv > 0), mask & (adv < 0)
     raw = torch.where(pos, w_pos, torch.where(neg, w_neg, torch.ones_like(u)))
     w = raw.clamp(min=config.w_min, max=config.w_max)
     out = masked_fill_zero(w.to(adv.dtype) * adv, mask)
