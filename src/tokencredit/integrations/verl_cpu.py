@@ -242,15 +242,16 @@ def _register_engines_for_cpu() -> None:
 # -- the transformers rollout --------------------------------------------------------------------
 
 
-def _server_name(replica_rank: int) -> str:
-    return f"tc_hf_rollout_server_{replica_rank}"
+def _server_name(replica_rank: int, role: str = "rollout", suffix: str = "") -> str:
+    return f"tc_hf_{role}_server_{replica_rank}{suffix}"
 
 
 def _replica_class():
     from verl.workers.rollout.replica import RolloutReplica
 
     class HFReplica(RolloutReplica):
-        """A ``tc_hf`` rollout replica: one named Ray actor (:class:`HFRolloutServer`) on the CPU."""
+        """A ``tc_hf`` rollout replica: one named Ray actor (:class:`.hf_server.HFRolloutServer`) on
+        the CPU, for the policy's rollout, a distillation teacher or a reward model."""
 
         def rollout_worker_use_gpu(self) -> bool:
             return False
@@ -258,21 +259,22 @@ def _replica_class():
         async def launch_servers(self):
             import ray
 
-            name = _server_name(self.replica_rank)
             from .hf_server import HFRolloutServer
 
-            cls = ray.remote(num_cpus=0)(HFRolloutServer)
+            role = "teacher" if self.is_teacher_model else "reward" if self.is_reward_model else "rollout"
+            name = _server_name(self.replica_rank, role, self.name_suffix)
             mc = self.model_config
-            path = getattr(mc, "local_path", None) if not hasattr(mc, "get") else mc.get("local_path", None)
+            get = (lambda k, d=None: mc.get(k, d)) if hasattr(mc, "get") else (lambda k, d=None: getattr(mc, k, d))
+            path = get("local_path")
             if path is None:
                 from verl.utils.fs import copy_to_local
 
-                path = copy_to_local(mc.get("path") if hasattr(mc, "get") else mc.path)
-            trust = mc.get("trust_remote_code", False) if hasattr(mc, "get") else getattr(mc, "trust_remote_code", False)
-            server = cls.options(name=name, max_concurrency=self.max_concurrency, get_if_exists=True).remote(
-                path, trust_remote_code=bool(trust),
-            )
-            await server.weights_version.remote()  # built (and its model loaded) before the first request
+                path = copy_to_local(get("path"))
+            server = ray.remote(num_cpus=0)(HFRolloutServer).options(
+                name=name, max_concurrency=self.max_concurrency, get_if_exists=True,
+            ).remote(path, response_length=self.config.response_length, prompt_length=self.config.prompt_length,
+                     trust_remote_code=bool(get("trust_remote_code", False)))
+            await server.weights_version.remote()  # built, its model loaded, before the first request
             self.servers = [server]
             self._server_handle = server
             self._server_address = name

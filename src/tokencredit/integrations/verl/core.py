@@ -61,6 +61,7 @@ __all__ = [
     "check_supported",
     "critic_spec",
     "driver_signals",
+    "pop_estimator_metrics",
     "calibrate",
     "tokencredit_policy_loss",
     "tokencredit_ppo_loss",
@@ -375,6 +376,19 @@ def _estimator_settings(name: str, settings: VerlCreditSettings, config: Any) ->
 
 
 
+#: the metrics of the estimator calls since the last :func:`pop_estimator_metrics` (driver process):
+#: verl's estimator signature returns (advantages, returns) only, so the trainer mode collects the
+#: pipeline's own metrics here and hands them to verl's logger under ``tokencredit/``
+_ESTIMATOR_METRICS: Dict[str, float] = {}
+
+
+def pop_estimator_metrics() -> Dict[str, float]:
+    """The estimator metrics (``gtpo/...``, ``oppo/...``, ``pact/...``) of the calls since the last pop."""
+    out = dict(_ESTIMATOR_METRICS)
+    _ESTIMATOR_METRICS.clear()
+    return out
+
+
 def _make_estimator(name: str):
     def estimator(token_level_rewards, response_mask, config=None, index=None, **unused):
         """verl advantage estimator backed by tokencredit's ``{name}`` (returns (advantages, returns))."""
@@ -407,6 +421,7 @@ def _make_estimator(name: str):
                 **{s: v[keep] for s, v in signals.items()},
             )
             out = pipe(batch)
+            _ESTIMATOR_METRICS.update({k: float(v) for k, v in out.metrics.items()})
             adv[keep] = out.advantages.to(adv.dtype)
             # outcome estimators: returns = advantages, as in verl; a critic's estimator gives its targets
             ret[keep] = (out.returns if out.returns is not None else out.advantages).to(ret.dtype)
@@ -594,8 +609,10 @@ def tokencredit_value_loss(config, model_output, data, dp_group=None, *, setting
         fields.append(CRITIC_WEIGHTS_FIELD)
     if spec.after_actor and CRITIC_WEIGHTS_FIELD not in fields:
         raise ValueError(
-            f"credit spec '{settings.spec}': its critic trains after the actor with IS weights, but the batch has no "
-            f"'{CRITIC_WEIGHTS_FIELD}' (set trainer.v1.trainer_mode={TRAINER_MODE})"
+            f"credit spec '{settings.spec}': its critic trains after the actor on per-token IS weights, but the critic's "
+            f"batch has no field '{CRITIC_WEIGHTS_FIELD}' (it has {sorted(data.keys())}); the trainer mode "
+            f"trainer.v1.trainer_mode={TRAINER_MODE} writes it after the actor update and must hand the critic the batch "
+            f"metadata returned by that write"
         )
     padded = data.select(*fields).to_padded_tensor()
     mask = padded["response_mask"].bool()

@@ -64,6 +64,7 @@ from .core import (
     driver_signals,
     estimator_names,
     install_settings,
+    pop_estimator_metrics,
     settings_from_config,
     tokencredit_ppo_loss,
     tokencredit_value_loss,
@@ -419,7 +420,7 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         if credit.states:
             need |= {"entropy"}
         if not need:
-            return super()._compute_advantage(batch, metrics)
+            return self._tc_estimate(batch, metrics)
         fields = ["response_mask"]
         fields += ["entropy"] if "entropy" in need else []
         fields += ["old_log_probs"] if "logprobs" in need else []
@@ -441,7 +442,15 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
             self._tc_set_actor_loss()  # the loss of this step's update reads the stepped state
         est_signals = {k: v for k, v in signals.items() if k in credit.estimator.requires}
         with driver_signals(mask, est_signals):
-            return super()._compute_advantage(batch, metrics)
+            return self._tc_estimate(batch, metrics)
+
+    def _tc_estimate(self, batch, metrics: dict):
+        """verl's advantage step (which calls the ``tc_*`` estimator), then the estimator's own metrics
+        to verl's logger (``tokencredit/gtpo/...``): verl's estimator signature returns none."""
+        pop_estimator_metrics()  # nothing of an earlier call (e.g. validation) is this step's
+        out = super()._compute_advantage(batch, metrics)
+        metrics.update({f"tokencredit/{k}": v for k, v in pop_estimator_metrics().items()})
+        return out
 
     def _tc_oracle_pass(self, batch, width: int) -> torch.Tensor:
         """The oracle's log-probs of each response after its oracle prompt, [B, width]: the actor
@@ -544,8 +553,10 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         w = self.tokencredit_plan.critic.is_weights(new, old, mask)
         m = mask.bool()
         metrics["tokencredit/critic_is_kept"] = float(((w > 0) & m).sum() / m.sum().clamp_min(1))
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                        fields=TensorDict({CRITIC_WEIGHTS_FIELD: response_to_nested(w, data["response_mask"])}, batch_size=len(batch)))
+        # the critic reads the fields its batch metadata lists: hand it the metadata this write returns
+        batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                                fields=TensorDict({CRITIC_WEIGHTS_FIELD: response_to_nested(w, data["response_mask"])},
+                                                  batch_size=len(batch)))
         return super()._update_critic(batch, metrics)
 
     # -- state in checkpoints --------------------------------------------------------------------

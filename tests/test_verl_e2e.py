@@ -1,0 +1,270 @@
+"""verl end to end: every seed method trains through verl's own trainer (``python -m
+verl.trainer.main_ppo``: Ray, TransferQueue, FSDP2 workers, the plugin from its entry point), two
+steps on a tiny random Llama, on the CPU (the dry run of docs/integrations.md), one run at a time.
+
+Each run's overrides are those of its launch script in ``examples/verl/`` (``DRY_RUN=1``, with
+``DEVICE=cpu`` and small sizes), plus the test's: two steps, a checkpoint, verl's file logger, a
+reward that varies within groups. ``tc_capture`` (tests/verl_e2e) records what verl's advantage
+step and policy loss received. Per method the test checks:
+
+* exit 0, two logged steps, ``global_step_2`` saved;
+* the method's own metrics (every metric the core pipeline reports on the captured batch) in
+  verl's logged metrics;
+* the estimator's advantages equal the core ``CreditPipeline``'s on the captured batch (rewards,
+  groups, the signals the trainer mode handed it), and the advantages verl's base policy loss
+  received equal the core pipeline's on the loss's micro-batch (its signals, the shipped state);
+* where the method must change credit, those advantages differ from GRPO's on the same batch.
+
+Marker ``verl_e2e`` (``bash scripts/test.sh -m verl_e2e`` runs just these). They need the verl
+environment ``.venv-verl`` that scripts/test.sh builds (or ``TC_VERL_PYTHON``); without it they
+skip, except under CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "verl_e2e"))
+
+from runner import Run, example_overrides, run_main_ppo, verl_python  # noqa: E402
+
+from tokencredit import CreditBatch, CreditPipeline  # noqa: E402
+
+pytestmark = pytest.mark.verl_e2e
+
+STEPS = 2
+
+
+@dataclass
+class Case:
+    script: str
+    spec: str
+    env: Dict[str, str] = field(default_factory=dict)
+    overrides: List[str] = field(default_factory=list)
+    configs: Dict[str, dict] = field(default_factory=dict)
+    changes_credit: bool = True  # the method must move credit away from GRPO's on these batches
+
+
+CRITIC = ["critic.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=4"]
+CASES = {
+    "tc_grpo": Case("estimators.sh", "grpo", {"METHOD": "grpo"}, changes_credit=False),
+    "taco": Case("taco.sh", "grpo+taco", configs={"taco": {"alpha": 0.01, "lam": 0.9}}),
+    "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1"],
+                  configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 0.3, "adaptive": True}}),
+    "acpo": Case("worker.sh", "grpo+acpo", {"METHOD": "acpo"}),
+    "arca": Case("worker.sh", "grpo+arca", {"METHOD": "arca"}),
+    "oppo": Case("oracle.sh", "oppo", {"METHOD": "oppo"}),
+    "opd": Case("oracle.sh", "opd", {"METHOD": "opd"}),
+    "pact": Case("critic.sh", "pact", {"METHOD": "pact"}, CRITIC),
+    "gtpo": Case("gtpo.sh", "gtpo"),
+    "gae": Case("critic.sh", "gae", {"METHOD": "gae"}, CRITIC),
+}
+
+
+def _verl_or_skip() -> str:
+    py = verl_python()
+    if py is None:
+        msg = "the verl environment .venv-verl is missing (bash scripts/test.sh builds it)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return py
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    _verl_or_skip()
+    from assets import write_data, write_model
+
+    root = tmp_path_factory.mktemp("verl_assets")
+    return {"model": write_model(str(root / "model")), "data": write_data(str(root / "data"))}
+
+
+def overrides_for(case: Case, assets, out: str) -> List[str]:
+    env = {"MODEL": assets["model"], "DATA_DIR": assets["data"], "DEVICE": "cpu", "N_GPUS": "1", "TRAIN_BATCH": "4",
+           "MINI_BATCH": "4", "MICRO_BATCH": "16", "LOGPROB_MICRO_BATCH": "16", "N_SAMPLES": "4", "MAX_PROMPT": "64",
+           "MAX_RESPONSE": "16", **case.env}
+    test = [
+        'trainer.logger=["console","file"]', f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={STEPS}",
+        "trainer.test_freq=-1", "trainer.val_before_train=False", "trainer.balance_batch=False",
+        f"trainer.default_local_dir={out}/ckpt", "data.shuffle=False", "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"reward.custom_reward_function.path={os.path.join(os.path.dirname(__file__), 'verl_e2e', 'reward.py')}",
+    ]
+    if "critic.sh" == case.script:
+        test.append(f"critic.model.path={assets['model']}")
+    return example_overrides(case.script, env) + test + case.overrides
+
+
+_RUNS: Dict[str, Run] = {}
+
+
+def run_case(name: str, assets, tmp_root: str) -> Run:
+    if name not in _RUNS:
+        out = os.path.join(tmp_root, name)
+        shutil.rmtree(out, ignore_errors=True)
+        run = run_main_ppo(out, overrides_for(CASES[name], assets, out))
+        print(f"verl e2e {name}: rc {run.rc}, {run.wall_s:.0f} s, peak RSS {run.peak_rss_mb:.0f} MB")
+        _RUNS[name] = run
+    return _RUNS[name]
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("verl_runs"))
+
+
+# -- the core's view of a captured batch -----------------------------------------------------------
+
+
+def group_ids(uids) -> torch.Tensor:
+    order = {u: i for i, u in enumerate(dict.fromkeys(uids))}
+    return torch.tensor([order[u] for u in uids])
+
+
+def estimator_batch(rec: dict) -> CreditBatch:
+    mask = rec["response_mask"].bool()
+    signals = {k[len("signal."):]: v for k, v in rec.items() if k.startswith("signal.")}
+    if "values" in signals:  # verl's values[:, t] = V before token t; the core's has one more column
+        v = signals["values"]
+        signals["values"] = torch.cat([v, v.new_zeros(v.shape[0], 1)], dim=1)
+    return CreditBatch(response_mask=mask, rewards=rec["token_level_rewards"].sum(-1),
+                       group_ids=group_ids(rec["meta"]["uids"]), **signals)
+
+
+LOSS_SIGNALS = {"signal.entropy": "entropy", "signal.tokencredit_mode_prob": "mode_prob",
+                "signal.tokencredit_hidden_residual": "hidden_residual", "signal.ref_logprobs": "ref_logprobs"}
+
+
+def loss_batch(loss: dict, est: dict, calibrator_needs) -> CreditBatch:
+    """The loss's micro-batch as a CreditBatch: rewards and groups of the driver's batch (rows
+    aligned: the test checks the loss got the estimator's advantages row for row), the signals the
+    loss had (the update forward's log-probs, entropy, worker signals)."""
+    mask = loss["response_mask"].bool()
+    sig = {"logprobs": loss["log_prob"], "old_logprobs": loss["old_log_prob"]}
+    sig.update({name: loss[k] for k, name in LOSS_SIGNALS.items() if k in loss})
+    return CreditBatch(response_mask=mask, rewards=est["token_level_rewards"].sum(-1),
+                       group_ids=group_ids(est["meta"]["uids"]), **{k: v for k, v in sig.items() if k in calibrator_needs})
+
+
+def check_run(name: str, run: Run) -> None:
+    case = CASES[name]
+    assert run.rc == 0, f"verl run {name} failed (rc {run.rc}):\n{run.tail(80)}"
+    rows = run.metrics()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
+    ckpt = os.path.join(run.out, "ckpt")
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(STEPS)
+    assert os.path.isdir(os.path.join(ckpt, f"global_step_{STEPS}", "actor"))
+
+    ests, losses = run.captured("estimator"), run.captured("loss")
+    assert len(ests) == STEPS and len(losses) == STEPS, (len(ests), len(losses))
+    pipe = CreditPipeline(case.spec, case.configs)
+    cal_needs = set().union(*[c.requires for c in pipe.calibrators]) if pipe.calibrators else set()
+    est_only = CreditPipeline(pipe.estimator.name, {pipe.estimator.name: case.configs.get(pipe.estimator.name, {})})
+    moved = 0.0
+    for step, (est, loss, row) in enumerate(zip(ests, losses, rows), start=1):
+        eb = estimator_batch(est)
+        core = est_only(eb)
+        # 1. the estimator verl ran is the core's, on the signals the trainer mode handed it
+        torch.testing.assert_close(est["advantages"], core.advantages, atol=1e-5, rtol=1e-5)
+        # 2. the loss got those advantages, row for row (one micro-batch = the step's batch)
+        torch.testing.assert_close(loss["advantages_in"], est["advantages"], atol=1e-6, rtol=0)
+        # 3. the advantages verl's base policy loss received = the core pipeline's on the loss's batch
+        lb = loss_batch(loss, est, cal_needs)
+        if pipe.calibrators:  # the estimator again (it reads only rewards and groups), then the calibrators
+            full = CreditPipeline(case.spec, case.configs)
+            if full.states:
+                full.load_state_dict(loss["meta"]["credit_state"])
+            out = full(lb, update_state=False)
+            expected, metrics = out.advantages, out.metrics
+        else:
+            expected, metrics = core.advantages, core.metrics
+        torch.testing.assert_close(loss["advantages_out"], expected.float(), atol=1e-5, rtol=1e-4)
+        # 4. the method's own metrics reached verl's logger
+        logged = row["data"]
+        names = [k for k in metrics if not k.startswith("diag/")]
+        missing = [k for k in names if f"tokencredit/{k}" not in logged and f"actor/tokencredit/{k}" not in logged]
+        assert not missing, f"{name}: metrics {missing} not in verl's log (tokencredit keys: " \
+                            f"{sorted(k for k in logged if 'tokencredit' in k)})"
+        grpo = CreditPipeline("grpo")(CreditBatch(response_mask=eb.response_mask, rewards=eb.rewards,
+                                                  group_ids=eb.group_ids)).advantages
+        moved = max(moved, float((loss["advantages_out"] - grpo).abs().max()))
+    if case.changes_credit:
+        assert moved > 1e-3, f"{name}: the advantages the loss received equal GRPO's ({moved})"
+    else:
+        assert moved < 1e-5, f"{name}: expected GRPO's advantages, max difference {moved}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_method_trains_through_verl_main_ppo(name, assets, tmp_root):
+    check_run(name, run_case(name, assets, tmp_root))
+
+
+def _state_close(a, b, tol=1e-4) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_state_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(float(a) - float(b)) <= tol * max(1.0, abs(float(a)))
+    return a == b
+
+
+def controller_step(case: Case, state: Optional[dict], loss: dict) -> dict:
+    """The core controller stepped once from ``state`` (None = initial) on the loss's batch (the
+    update forward's entropy: before the first optimizer step of a step, the weights of the driver's
+    old-log-prob pass, from which the trainer mode steps it)."""
+    pipe = CreditPipeline(case.spec, case.configs)
+    if state is not None:
+        pipe.load_state_dict(state)
+    mask = loss["response_mask"].bool()
+    pipe.update_state(CreditBatch(response_mask=mask, rewards=torch.zeros(mask.shape[0]),
+                                  group_ids=torch.arange(mask.shape[0]), entropy=loss["signal.entropy"]))
+    return pipe.state_dict()
+
+
+def test_stare_controller_steps_before_the_loss_and_resumes_exactly(assets, tmp_root):
+    """Adaptive STARE: each step's loss reads the controller state stepped on that step's batch
+    (= the state checkpointed at that step), and a run resumed from verl's step-1 checkpoint
+    restores that state exactly before stepping it again."""
+    case = CASES["stare"]
+    run = run_case("stare", assets, tmp_root)
+    assert run.rc == 0, run.tail(80)
+    losses = run.captured("loss")
+    state = None
+    for step, loss in enumerate(losses, start=1):
+        with open(os.path.join(run.out, "ckpt", f"global_step_{step}", "tokencredit_state.json")) as f:
+            saved = json.load(f)
+        assert saved["spec"] == case.spec
+        # the loss of step k ran on the state checkpointed at step k, exactly
+        assert loss["meta"]["credit_state"] == saved["state"], (step, loss["meta"]["credit_state"], saved["state"])
+        # ... which is the previous state stepped once on step k's batch (not the previous state itself)
+        stepped = controller_step(case, state, loss)
+        assert _state_close(stepped, saved["state"]), (step, stepped, saved["state"])
+        assert not _state_close(saved["state"], state or CreditPipeline(case.spec, case.configs).state_dict(), 1e-9)
+        state = saved["state"]
+
+    # resume from step 1: a copy of the run's checkpoints without step 2
+    out = os.path.join(tmp_root, "stare_resume")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(os.path.join(run.out, "ckpt"), os.path.join(out, "ckpt"))
+    shutil.rmtree(os.path.join(out, "ckpt", f"global_step_{STEPS}"))
+    with open(os.path.join(out, "ckpt", "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    resumed = run_main_ppo(out, overrides_for(case, assets, out))
+    print(f"verl e2e stare resume: rc {resumed.rc}, {resumed.wall_s:.0f} s, peak RSS {resumed.peak_rss_mb:.0f} MB")
+    assert resumed.rc == 0, resumed.tail(80)
+    assert [r["step"] for r in resumed.metrics()] == [2]
+    (loss2,) = resumed.captured("loss")
+    with open(os.path.join(run.out, "ckpt", "global_step_1", "tokencredit_state.json")) as f:
+        state1 = json.load(f)["state"]
+    # the resumed step 2 stepped the restored step-1 state, not a fresh controller
+    assert _state_close(controller_step(case, state1, loss2), loss2["meta"]["credit_state"])
+    assert not _state_close(controller_step(case, None, loss2), loss2["meta"]["credit_state"], 1e-6)
