@@ -57,8 +57,9 @@ CRITIC = ["critic.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=
 CASES = {
     "tc_grpo": Case("estimators.sh", "grpo", {"METHOD": "grpo"}, changes_credit=False),
     "taco": Case("taco.sh", "grpo+taco", configs={"taco": {"alpha": 0.01, "lam": 0.9}}),
-    "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1"],
-                  configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 0.3, "adaptive": True}}),
+    # H_target above the tiny model's entropy (about 1.8 nats), so that the gate is on and W, M act
+    "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1", "+tokencredit.stare.H_target=3.0"],
+                  configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}}),
     "acpo": Case("worker.sh", "grpo+acpo", {"METHOD": "acpo"}),
     "arca": Case("worker.sh", "grpo+arca", {"METHOD": "arca"}),
     "oppo": Case("oracle.sh", "oppo", {"METHOD": "oppo"}),
@@ -66,6 +67,10 @@ CASES = {
     "pact": Case("critic.sh", "pact", {"METHOD": "pact"}, CRITIC),
     "gtpo": Case("gtpo.sh", "gtpo"),
     "gae": Case("critic.sh", "gae", {"METHOD": "gae"}, CRITIC),
+    # OPPO's oracle scored by verl's own distillation teacher servers (a tc_hf replica of the tiny
+    # model in a resource pool of its own: one more Ray "GPU" slot)
+    "oppo_teacher": Case("oracle.sh", "oppo", {"METHOD": "oppo", "ORACLE": "teacher", "TEACHER_GPUS": "1"},
+                         configs={"oppo": {"oracle": "teacher"}}),
 }
 
 
@@ -91,7 +96,7 @@ def assets(tmp_path_factory):
 def overrides_for(case: Case, assets, out: str) -> List[str]:
     env = {"MODEL": assets["model"], "DATA_DIR": assets["data"], "DEVICE": "cpu", "N_GPUS": "1", "TRAIN_BATCH": "4",
            "MINI_BATCH": "4", "MICRO_BATCH": "16", "LOGPROB_MICRO_BATCH": "16", "N_SAMPLES": "4", "MAX_PROMPT": "64",
-           "MAX_RESPONSE": "16", **case.env}
+           "MAX_RESPONSE": "16", "TEACHER_MODEL": assets["model"], **case.env}
     test = [
         'trainer.logger=["console","file"]', f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={STEPS}",
         "trainer.test_freq=-1", "trainer.val_before_train=False", "trainer.balance_batch=False",
@@ -139,8 +144,8 @@ def estimator_batch(rec: dict) -> CreditBatch:
                        group_ids=group_ids(rec["meta"]["uids"]), **signals)
 
 
-LOSS_SIGNALS = {"signal.entropy": "entropy", "signal.tokencredit_mode_prob": "mode_prob",
-                "signal.tokencredit_hidden_residual": "hidden_residual", "signal.ref_logprobs": "ref_logprobs"}
+LOSS_SIGNALS = {"signal.entropy": "entropy", "signal.mode_prob": "mode_prob",
+                "signal.hidden_residual": "hidden_residual", "signal.ref_logprobs": "ref_logprobs"}
 
 
 def loss_batch(loss: dict, est: dict, calibrator_needs) -> CreditBatch:

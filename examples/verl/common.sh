@@ -82,7 +82,7 @@ if [[ "$DEVICE" == cpu ]]; then
         reward.num_workers=1
         data.dataloader_num_workers=0
         transfer_queue.backend.SimpleStorage.num_data_storage_units=1
-        +ray_kwargs.ray_init.num_gpus="$((N_GPUS * NNODES))"
+        +ray_kwargs.ray_init.num_gpus="$((N_GPUS * NNODES + ${TEACHER_GPUS:-0}))"
         ray_kwargs.ray_init.num_cpus=16
     )
     export VERL_USE_EXTERNAL_MODULES=${VERL_USE_EXTERNAL_MODULES:-tokencredit.integrations.verl_cpu}
