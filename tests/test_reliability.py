@@ -252,6 +252,19 @@ OUT_OF_RANGE = {
     "task.reward_timeout_s": _FLOAT_LE0,
     "task.n_train": _INT_LE0,
     "task.n_eval": _INT_LE0,
+    "data.path": st.sampled_from(["/surely/not/here.jsonl", "not a hub id"]),
+    "data.split": None,
+    "data.eval_path": st.just("eval.jsonl"),  # without data.path
+    "data.eval_split": st.just("test"),  # without data.path
+    "data.eval_fraction": st.one_of(_FLOAT_LE0, st.floats(min_value=1.0, allow_nan=False, allow_infinity=False)),
+    "data.prompt_column": None,
+    "data.answer_column": st.just("solution"),  # without data.path
+    "data.system_prompt": st.just("Be brief."),  # without data.path
+    "data.prompt_template": st.just("no placeholder"),
+    "reward.funcs": st.sampled_from([("nope",), ("surely_not_a_module_4242:f",), ("test_reliability:crc_reward",)]),
+    "reward.weights": st.just((1.0, 2.0)),  # two weights for no function
+    "reward.max_failing_steps": _INT_LE0,
+    "reward.clipped_warn_ratio": st.one_of(_FLOAT_LE0, st.floats(min_value=1.0001, allow_nan=False, allow_infinity=False)),
     "rollout.prompts_per_step": _INT_LE0,
     "rollout.samples_per_prompt": st.integers(max_value=1),
     "rollout.max_new_tokens": _INT_LE0,
@@ -602,3 +615,329 @@ def test_the_test_command_gives_q_once():
     words = shlex.split(addopts) + [w for line in script for w in shlex.split(line)]
     assert sum(w.count("q") for w in words if w.startswith("-") and not w.startswith("--") and set(w[1:]) <= {"q"}) == 1
     assert sum(w == "--quiet" for w in words) == 0
+
+
+# == issue 21: run folders, signals, limits =====================================================
+# Each test below failed on the code before issue 21 (each was run against it once).
+
+
+def _lines(path: Path):
+    """metrics.jsonl's lines, each a whole JSON object (a torn line fails here)."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- 21.1 a run folder belongs to one run ------------------------------------------------------
+
+
+def test_a_fresh_train_into_a_folder_with_a_run_is_refused_and_overwrite_moves_it_aside(tmp_path, tiny_cli, monkeypatch):
+    out = tmp_path / "run"
+    assert _cli(["train", "--steps", "2", "--output-dir", str(out)] + TINY_FLAGS)[0] == 0
+    before = _tree(out)
+    # refused before any model loads, nothing in the folder touched
+    import tokencredit.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
+    code, err = _cli(["train", "--steps", "1", "--output-dir", str(out), "--seed", "1"] + TINY_FLAGS)
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert err.startswith(f"tokencredit train: output_dir: {str(out)!r} already holds a run (config.json, metrics.jsonl, checkpoints)")
+    assert "--resume" in err and "--overwrite" in err and "run.old-1" in err
+    assert _tree(out) == before
+    # --overwrite: the old run is moved aside whole, the new run starts from nothing
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+    code, err = _cli(["train", "--steps", "1", "--output-dir", str(out), "--seed", "1", "--overwrite"] + TINY_FLAGS)
+    assert code == 0, err
+    old = tmp_path / "run.old-1"
+    assert {k: v[1] for k, v in _tree(old).items()} == {k: v[1] for k, v in before.items() if not k.startswith(".lock")}
+    assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1.0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
+    assert json.loads((out / "config.json").read_text())["seed"] == 1
+    # --resume with --overwrite: one line
+    code, err = _cli(["train", "--steps", "2", "--output-dir", str(out), "--resume", "--overwrite"] + TINY_FLAGS)
+    assert code == 2 and err.startswith("tokencredit train: overwrite: expected false with --resume")
+
+
+# -- 21.2 the lock: a second run on the folder is refused, naming the holder ------------------
+
+
+def test_a_folder_held_by_a_live_run_is_refused_naming_its_pid(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    # another process holds the folder (as a running `train` does): it says so, then waits on stdin
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tokencredit.runfolder import RunLock; held = RunLock(sys.argv[1]).acquire(); "
+         "print('held', flush=True); sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for cfg in (_cfg(out), _cfg(out, resume=True)):
+            with pytest.raises(ConfigError) as ei:
+                _trainer(cfg)
+            assert str(ei.value) == (f"output_dir: {str(out)!r} is in use by another run (pid {holder.pid}); "
+                                     f"wait for it to end, stop it, or choose another --output-dir")
+    finally:
+        holder.stdin.close()  # the holder exits; the kernel drops its lock
+        holder.wait()
+    _trainer(_cfg(out)).train()  # a dead holder's lock (and its stale pid file) is no obstacle
+    assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1.0]
+
+
+def test_the_lock_is_held_for_the_whole_run(tmp_path, monkeypatch):
+    from tokencredit.runfolder import RunLock
+
+    out = tmp_path / "run"
+    tr = _trainer(_cfg(out, steps=2))
+    seen = []
+    real = tr.train_step
+
+    def step():
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {os.getpid()}\)"):
+            RunLock(out).acquire()
+        seen.append(tr.step)
+        return real()
+
+    monkeypatch.setattr(tr, "train_step", step)
+    tr.train()
+    assert seen == [0, 1]
+    RunLock(out).acquire().release()  # released when train() returns
+
+
+# -- 21.3 a torn metrics line ------------------------------------------------------------------
+
+
+def test_a_torn_metrics_line_is_repaired_on_resume_and_no_row_is_lost_or_doubled(tmp_path):
+    from tokencredit.compare import read_metrics
+    from tokencredit.runfolder import RunFolderWarning
+
+    out = tmp_path / "run"
+    _trainer(_cfg(out, steps=2)).train()
+    m = out / "metrics.jsonl"
+    m.write_bytes(m.read_bytes() + b'{"step": 3.0, "reward/me')  # a kill inside step 3's write
+    # readers skip the torn tail with a warning
+    with pytest.warns(RunFolderWarning, match=r"metrics.jsonl:3: a torn last line, skipped"):
+        assert [r["step"] for r in read_metrics(m)] == [1, 2]
+    with pytest.warns(RunFolderWarning, match="a torn last line .* was removed"):
+        _trainer(_cfg(out, steps=3, resume=True)).train()
+    assert [r["step"] for r in _lines(m)] == [1.0, 2.0, 3.0]
+
+
+def test_resume_drops_the_rows_past_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    _trainer(_cfg(out, steps=3, save_every=2)).train()  # checkpoints 2 and 3
+    shutil_rm = __import__("shutil").rmtree
+    shutil_rm(out / "checkpoints" / "step_00000003")  # as if killed after step 3's row, before its checkpoint
+    _trainer(_cfg(out, steps=4, save_every=2, resume=True)).train()
+    assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1.0, 2.0, 3.0, 4.0]
+
+
+# -- 21.4 SIGTERM ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sigterm_fails_the_test():
+    """SIGTERM outside the trainer's own handler fails the test instead of killing pytest."""
+    import signal
+
+    def fail(signum, frame):
+        raise AssertionError("SIGTERM reached the default handler: the trainer does not handle it")
+
+    prev = signal.signal(signal.SIGTERM, fail)
+    yield
+    signal.signal(signal.SIGTERM, prev)
+
+
+@pytest.mark.parametrize("where", ["mid_step", "between_steps"])
+def test_sigterm_writes_a_checkpoint_and_exits_143_saying_where_to_resume(tmp_path, tiny_cli, monkeypatch, sigterm_fails_the_test, where):
+    import signal
+
+    real_collect, real_step, calls = Trainer._collect, Trainer.train_step, {"n": 0}
+
+    def collect(self):  # step 2, after its rollouts: the step finishes, then the checkpoint
+        out = real_collect(self)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            signal.raise_signal(signal.SIGTERM)  # delivered to this thread, handled before it returns
+        return out
+
+    def step(self):  # before step 2 starts: the checkpoint of step 1 at once
+        if self.step == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return real_step(self)
+
+    if where == "mid_step":
+        monkeypatch.setattr(Trainer, "_collect", collect)
+    else:
+        monkeypatch.setattr(Trainer, "train_step", step)
+    out = tmp_path / "run"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code, err = _cli(["train", "--steps", "5", "--save-every", "100", "--output-dir", str(out)] + TINY_FLAGS)
+    at = 2 if where == "mid_step" else 1
+    assert code == 143
+    assert err.strip().splitlines()[-1] == (f"train stopped by SIGTERM at step {at} of 5; continue with --resume "
+                                            f"--output-dir {out}")
+    ck = out / "checkpoints" / f"step_{at:08d}"
+    assert (ck / "state.pt").exists() and str(ck) in printed.getvalue()
+    assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [float(s) for s in range(1, at + 1)]
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the test's handler is back
+    monkeypatch.undo()
+    import tokencredit.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+    assert _cli(["train", "--steps", "3", "--save-every", "100", "--output-dir", str(out), "--resume"] + TINY_FLAGS)[0] == 0
+    assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1.0, 2.0, 3.0]
+
+
+# -- 21.5 a full disk --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nth_fsync", [1, 2, 3, 4])
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path, tiny_cli, monkeypatch, nth_fsync):
+    """The nth fsync of the run (config.json, a metrics line, a checkpoint, ...) fails with
+    ENOSPC, as a full disk makes it: one line, exit 1, no temporary file, whole lines only."""
+    import errno
+
+    real, calls = os.fsync, {"n": 0}
+
+    def fsync(fd):
+        calls["n"] += 1
+        if calls["n"] == nth_fsync:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "run"
+    code, err = _cli(["train", "--steps", "3", "--output-dir", str(out)] + TINY_FLAGS)
+    assert code == 1 and err.strip().count("\n") == 0, err
+    assert err.startswith("tokencredit train: ") and "no space left on device writing" in err
+    assert "Traceback" not in err
+    left = [str(p.relative_to(out)) for p in out.rglob("*") if ".tmp" in p.name]
+    assert left == []
+    if (out / "metrics.jsonl").exists():
+        _lines(out / "metrics.jsonl")  # whole lines only
+    for ck in (out / "checkpoints").glob("step_*") if (out / "checkpoints").exists() else ():
+        load_checkpoint(ck)  # every checkpoint left is whole
+
+
+# -- 21.6 YAML bombs and deep nesting ----------------------------------------------------------
+
+
+def _alias_bomb(levels: int, width: int, key="steps") -> str:
+    lines = [f"a0: &a0 [{', '.join(['1'] * width)}]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]")
+    return "\n".join(lines) + f"\n{key}: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize("doc,why", [
+    (_alias_bomb(6, 10), "more than 10000 values once its aliases are expanded"),  # 10^6 values
+    ("steps: " + "[" * 5000 + "1" + "]" * 5000 + "\n", "nesting deeper than 32 levels"),
+    (_alias_bomb(9, 9), "more than 10000 values once its aliases are expanded"),  # 9^9: "billion laughs"
+])
+def test_yaml_alias_bombs_and_deep_nesting_are_one_line_before_any_repr(tmp_path, no_model_loading, doc, why):
+    f = tmp_path / "bomb.yaml"
+    f.write_text(doc)
+    code, err = _cli(["train", "--config", str(f), "--output-dir", str(tmp_path / "r")])
+    assert code == 2 and err.strip() == (f"tokencredit train: --config: {f}: expected a config of at most 10000 values "
+                                         f"nested at most 32 levels, got {why}")
+    with pytest.raises(ConfigError, match=r"^credit_args: taco.lam: expected a config of at most"):
+        TrainConfig(credit="taco", credit_args=("taco.lam=" + "[" * 100 + "]" * 100,))
+
+
+# -- 21.7 prompt + budget against the model's context ------------------------------------------
+
+
+def test_a_budget_or_prompt_past_the_models_context_is_one_line_before_training(tmp_path):
+    from tokencredit.models import ModelError
+
+    out = tmp_path / "run"
+    with pytest.raises(ModelError) as ei:
+        _trainer(dataclasses.replace(_cfg(out), rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=100000)))
+    assert str(ei.value) == "rollout.max_new_tokens: expected < the model's context of 2048 tokens (max_position_embeddings of 'tiny'), got 100000"
+    task = make_task("add1", n_train=4, n_eval=1)
+    long = dataclasses.replace(task.train[2], messages=({"role": "user", "content": "7" * 2030},))
+    task.train[2] = long
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    with pytest.raises(ModelError) as ei:
+        Trainer(_cfg(out), model=model, tokenizer=tok, task=task)
+    text = tok.apply_chat_template(list(long.messages), tokenize=False, add_generation_prompt=True)
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert str(ei.value) == (
+        f"task: expected prompts that leave room for rollout.max_new_tokens (4) in the model's context of 2048 tokens "
+        f"('tiny'), got a prompt of {n} tokens (example {long.id!r}): {n + 4} > 2048; shorten the prompts or lower "
+        f"rollout.max_new_tokens"
+    )
+    assert not out.exists()  # before training: nothing written
+
+
+# -- 21.9 tracebacks that are one line now -----------------------------------------------------
+
+
+def test_a_model_name_that_does_not_exist_is_one_line_without_retrying_the_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    asked = []
+
+    def unreachable(name, **k):
+        asked.append(name)
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    out = str(tmp_path / "r")
+    # a path that does not exist: at once, the Hub is not asked
+    code, err = _cli(["train", "--model.name", "./no/such/model", "--output-dir", out])
+    assert code == 2 and err.strip() == ("tokencredit train: model.name: expected a local model folder or a Hugging Face "
+                                         "Hub id (org/name), got './no/such/model': no such folder")
+    assert asked == []
+    # a Hub-like id, not cached, Hub unreachable: asked once, one line
+    code, err = _cli(["train", "--model.name", "my/model", "--output-dir", out])
+    assert code == 2 and err.strip() == ("tokencredit train: model.name: 'my/model' is no local folder and not in the "
+                                         "Hugging Face cache, and the Hub could not be reached (ConnectionError); check the "
+                                         "name, or download the model first")
+    assert asked == ["my/model"]
+    # a folder that is no model
+    (tmp_path / "empty").mkdir()
+    code, err = _cli(["train", "--model.name", str(tmp_path / "empty"), "--output-dir", out])
+    assert code == 2 and "expected a model folder with a config.json" in err and err.strip().count("\n") == 0
+
+
+def test_a_model_without_a_chat_template_is_one_line_before_training(tmp_path, monkeypatch):
+    import tokencredit.models as models
+
+    def no_template(name, **k):
+        model, tok = tiny_model_and_tokenizer(seed=0)
+        tok.chat_template = None
+        return model, tok
+
+    monkeypatch.setattr(models, "resolve_model", no_template)
+    out = tmp_path / "r"
+    code, err = _cli(["train", "--output-dir", str(out)] + TINY_FLAGS)
+    assert code == 2 and err.strip() == (
+        "tokencredit train: model.name: expected a chat model (a tokenizer with a chat template), got 'tiny', whose "
+        "tokenizer has none; use an instruct/chat model, or set tokenizer.chat_template")
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_compare_report_only_on_a_damaged_run_folder_is_warnings_or_one_line(tmp_path):
+    out = tmp_path / "cmp"
+    run = out / "grpo" / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_bytes(
+        b'{"step": 1.0, "eval/greedy_acc": 0.5}\n\xff\xfe garbage\n{"step": "x"}\n[1, 2]\n{"step": 2.0, "eval/greedy_acc": 0.75}\n{"step": 3'
+    )
+    (out / "compare.json").write_text('{"specs": ["grpo"], "seeds": [0], "steps": 2}')
+    code, err = _cli(["compare", "--report-only", "--output-dir", str(out)])
+    assert code == 0, err
+    said = [line for line in err.splitlines() if line.startswith("warning: ")]  # the command's one-line warnings
+    assert any("metrics.jsonl:2: not a JSON object, skipped" in s for s in said), said
+    assert any("metrics.jsonl:6: a torn last line, skipped" in s for s in said), said
+    assert any("without a numeric step ('x')" in s for s in said), said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary[0]["final_acc"]["values"] == [0.75] and summary[0]["steps_done"] == [2]
+    (out / "compare.json").write_text('{"specs": ["grpo"], "se')  # damaged
+    code, err = _cli(["compare", "--report-only", "--output-dir", str(out)])
+    assert code == 2 and err.strip() == (f"tokencredit compare: {out / 'compare.json'}: expected the JSON compare writes, "
+                                         f"got a damaged file (JSONDecodeError); give --credit and --seeds, or remove it")
+    assert _cli(["compare", "--report-only", "--output-dir", str(out), "--credit", "grpo", "--seeds", "0"])[0] == 0

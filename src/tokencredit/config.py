@@ -24,6 +24,8 @@ import yaml
 __all__ = [
     "ModelConfig",
     "TaskConfig",
+    "DataConfig",
+    "RewardConfig",
     "RolloutConfig",
     "OptimConfig",
     "LossConfig",
@@ -81,6 +83,8 @@ FIELD_RANGES: Dict[str, _Range] = {
     "task.reward_timeout_s": _GT0, "task.n_train": _GE1,
     # >= 1: the run evaluates at its last step at least, and an empty split is no accuracy of 0
     "task.n_eval": _GE1,
+    "data.eval_fraction": _Range(0, 1, lo_open=True, hi_open=True),
+    "reward.max_failing_steps": _GE1, "reward.clipped_warn_ratio": _Range(0, 1, lo_open=True),
     "rollout.prompts_per_step": _GE1,
     "rollout.samples_per_prompt": _Range(2),  # group methods need a group
     "rollout.max_new_tokens": _GE1, "rollout.temperature": _GE0, "rollout.top_p": _Range(0, 1, lo_open=True),
@@ -260,9 +264,43 @@ class TaskConfig:
     name: str = "mul1"  # add1, add2, mul1, word, mix, gsm8k, math
     path: Optional[str] = None  # local jsonl/parquet for gsm8k/math
     reward_fn: Optional[str] = None  # "package.module:function", replaces the task's reward
-    reward_timeout_s: float = 5.0  # seconds a reward call may take; a slower one scores 0 (a failure)
+    # seconds a reward function may take per completion (a call on N completions: N times this);
+    # a slower call is ended (its worker process killed) and counts as a failure
+    reward_timeout_s: float = 5.0
     n_train: int = 512  # training prompts
     n_eval: int = 32  # held-out prompts for evaluation
+
+
+@dataclass
+class DataConfig:
+    """Own data, read through ``datasets`` (tokencredit.datasource); set ``path`` to use it
+    instead of task.name's built-in task."""
+
+    path: Optional[str] = None  # a .json/.jsonl/.csv/.parquet file, a folder of them, or a hub id owner/name[:config]
+    split: str = "train"  # the training split (a single file is one split, train)
+    eval_path: Optional[str] = None  # evaluation rows from another file, folder or hub id
+    eval_split: Optional[str] = None  # the evaluation split (of eval_path, else of path)
+    # the share of the training rows held out for evaluation when no eval split is given or found (None: 0.1)
+    eval_fraction: Optional[float] = None
+    prompt_column: str = "prompt"  # the prompt: a string, or a list of chat messages (TRL's conversational format, verl's prompt)
+    # the reference answer (a dotted name reaches into a mapping: reward_model.ground_truth); None: answer, solution or reward_model.ground_truth if present
+    answer_column: Optional[str] = None
+    system_prompt: Optional[str] = None  # a system message put before every prompt
+    # the user text as sent, with {prompt} for the row's prompt, e.g. "{prompt} Put your final answer within \\boxed{}."; None: the prompt as it is
+    prompt_template: Optional[str] = None
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions with TRL's contract (tokencredit.rewards); unset: the task's own reward."""
+
+    # built-in names (math, numeric) or "module:function" / "file.py:function" taking TRL's keyword arguments
+    funcs: Tuple[str, ...] = ()
+    weights: Tuple[float, ...] = ()  # one weight per function (default 1.0 each), as TRL's reward_weights
+    # stop the run when a function fails on every completion of this many consecutive steps
+    max_failing_steps: int = 2
+    # warn when more than this share of completions hit rollout.max_new_tokens (completions/clipped_ratio)
+    clipped_warn_ratio: float = 0.5
 
 
 @dataclass
@@ -413,6 +451,8 @@ class TrainConfig:
     overwrite: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # own data: --data.path replaces task.name's task
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -445,6 +485,7 @@ class TrainConfig:
         rf = self.task.reward_fn
         if rf is not None and not re.fullmatch(r"[^:]+:[\w.]+", rf):
             raise ConfigError(f"task.reward_fn: expected 'package.module:function' or 'file.py:function', got {_show(rf)}")
+        _check_data_and_reward(self)
         if self.dapo.overlong_cache is not None and self.dapo.overlong_cache > self.rollout.max_new_tokens:
             raise ConfigError(
                 f"dapo.overlong_cache: expected <= rollout.max_new_tokens ({self.rollout.max_new_tokens}), "
@@ -525,6 +566,29 @@ class TrainConfig:
                 object.__setattr__(obj, k, v)
             out[name] = _check_method_config(obj, name, f"credit_args: {name}" if over else f"credit_config.{name}")
         return out
+
+
+def _check_data_and_reward(cfg: "TrainConfig") -> None:
+    """The own-data and reward settings that do not depend on the files (those are checked when
+    the data loads, still before any model)."""
+    d, r = cfg.data, cfg.reward
+    if d.path is None:
+        for name in ("eval_path", "eval_split", "eval_fraction", "answer_column", "system_prompt", "prompt_template"):
+            if getattr(d, name) is not None:
+                raise ConfigError(f"data.{name}: set, but data.path is not (own data needs data.path), got {_show(getattr(d, name))}")
+    elif cfg.task.path is not None:
+        raise ConfigError(f"task.path: expected no task.path with data.path {_show(d.path)} (own data), got {_show(cfg.task.path)}")
+    if d.eval_fraction is not None and (d.eval_path is not None or d.eval_split is not None):
+        raise ConfigError(f"data.eval_fraction: expected no eval_fraction with data.eval_path or data.eval_split, got {d.eval_fraction}")
+    if d.prompt_template is not None and "{prompt}" not in d.prompt_template:
+        raise ConfigError(f"data.prompt_template: expected a text with {{prompt}} where the row's prompt goes, got {_show(d.prompt_template)}")
+    if r.weights and len(r.weights) != len(r.funcs):
+        raise ConfigError(f"reward.weights: expected {len(r.funcs)} weights, one per reward.funcs entry, got {len(r.weights)}")
+    if r.funcs and cfg.task.reward_fn is not None:
+        raise ConfigError(f"task.reward_fn: expected either reward.funcs or task.reward_fn, got both ({_show(cfg.task.reward_fn)})")
+    for w in r.weights:
+        if not math.isfinite(w):
+            raise ConfigError(f"reward.weights: expected finite numbers, got {w}")
 
 
 def credit_config_for(section: Any, credit: str) -> Any:

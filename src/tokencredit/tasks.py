@@ -7,8 +7,12 @@ example) -> float`` in [0, 1]. ``make_task(name, ...)`` builds one:
                        multiplication), enumerated from the whole question space
     word               1-2 step word problems from templates (apples, coins, birds, ...)
     mix                equal shares of add1, add2, mul1 and word
-    gsm8k, math        datasets (a local jsonl/json/parquet file or folder, or a hub id through
-                       the ``datasets`` library), rewarded with math-verify plus a numeric check
+    gsm8k, math        datasets (a local json/jsonl/csv/parquet file or folder, or a hub id, read
+                       through ``datasets``: :mod:`tokencredit.datasource`), graded by math-verify
+
+``make_data_task(data_config, ...)`` builds the task of own data (``--data.path``, see
+:mod:`tokencredit.datasource`). Graders live in :mod:`tokencredit.grading`, reward functions and
+the guarded calls that run them in :mod:`tokencredit.rewards`.
 
 Splits. The eval split depends only on the task and ``n_eval`` (drawn with the fixed
 ``EVAL_SEED``), so runs with different seeds are compared on the same questions; the train split
@@ -16,7 +20,7 @@ is drawn with ``seed`` from the rest of the space, so no question is in both. Sm
 (add1: 100 questions, mul1: 81) cap eval at half the space and give train what is left, which is
 less than ``n_train``; a warning says so.
 
-Reward of the procedural tasks: 1.0 when :func:`extract_final_answer` finds a number equal to the
+Reward of the procedural tasks: 1.0 when :func:`~tokencredit.grading.extract_final_answer` finds a number equal to the
 reference (68 == 68.0 == "68."), else 0.0. The parser takes the FINAL answer, because the model
 restates the question: ``\\boxed{X}``, then ``#### X``, then "answer is X" / "answer: X", then
 the last number that is not an operand (a number followed by an operator, ``=`` or ``?``, or
@@ -31,23 +35,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import importlib
-import importlib.util
-import inspect
-import json
 import logging
-import math
-import numbers
-import os
 import random
-import re
-import signal
 import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
-from decimal import Decimal, InvalidOperation
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .datasource import DatasetError, Example, load_task_rows
+from .grading import (
+    RewardValueError,
+    answers_match,
+    check_reward,
+    extract_final_answer,
+    math_reward,
+    numeric_reward,
+    reference_answer,
+)
+from .rewards import RewardFnError, load_reward_fn
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ __all__ = [
     "extract_final_answer",
     "list_tasks",
     "load_reward_fn",
+    "make_data_task",
     "make_task",
     "numeric_reward",
     "math_reward",
@@ -105,20 +111,6 @@ MIX_PARTS = ("add1", "add2", "mul1", "word")
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Example:
-    """One prompt. ``messages`` are plain chat dicts (what ``apply_chat_template`` takes)."""
-
-    id: str
-    question: str  # the user message text
-    answer: str  # reference answer (OPPO's oracle prompt shows it)
-    messages: tuple  # ({"role": "user", "content": question},), optionally a system message first
-
-    # messages hold dicts (unhashable): hash the identifying strings instead
-    def __hash__(self) -> int:
-        return hash((self.id, self.question, self.answer))
-
-
 def _messages(question: str) -> tuple:
     msgs = [] if SYSTEM_PROMPT is None else [{"role": "system", "content": SYSTEM_PROMPT}]
     return tuple(msgs + [{"role": "user", "content": question}])
@@ -141,6 +133,10 @@ class Task:
     scorer: Callable[[str, Example], float] = field(default=None, repr=False)  # type: ignore[assignment]
     description: str = ""
     reward_range: Tuple[float, float] = (0.0, 1.0)  # eval reports the mean reward as an accuracy
+    # the column of an example's row that holds the reference answer (the built-in rewards grade
+    # against it); None: the rows have none
+    answer_column: Optional[str] = "answer"
+    has_default_reward: bool = True  # False: the rows have no answer, reward.funcs must be given
 
     def __post_init__(self):
         if self.scorer is None:
@@ -148,148 +144,6 @@ class Task:
 
     def reward(self, completion: str, example: Example) -> float:
         return check_reward(self.scorer(completion, example), self.reward_range)
-
-
-# ---------------------------------------------------------------------------------------------
-# Answer parsing
-# ---------------------------------------------------------------------------------------------
-
-# A number: optional sign (not after a word character or ")", so "5-3" is not "5" and "-3"),
-# comma-grouped thousands or plain digits, optional decimals; ordinals ("2nd") are not numbers.
-_NUM = re.compile(r"(?<![\w)\].])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)(?!(?:st|nd|rd|th)\b)")
-_OPS = r"[+\-*/×÷^x]"
-_FOLLOWED_BY_OPERATOR = re.compile(rf"\s*(?:[=?]|{_OPS}\s*[-(]?\d)")
-_PRECEDED_BY_OPERATOR = re.compile(rf"(?:\d|\))\s*{_OPS}\s*$")
-_ANSWER_MARKER = re.compile(r"\banswer\b(?:\s+is\b|\s*[:=])", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"\.(?:\s|$)|\n")
-
-
-def _canon_number(s: str) -> Optional[str]:
-    """'1,234' -> '1234', '68.0' -> '68', '+5' -> '5', '-0' -> '0'; None if not a number."""
-    s = s.strip().replace(",", "").lstrip("+")
-    if s.endswith("."):
-        s = s[:-1]
-    try:
-        d = Decimal(s)
-    except (InvalidOperation, ValueError):
-        return None
-    if not d.is_finite():
-        return None
-    if d == 0:
-        return "0"
-    return format(d.normalize(), "f")
-
-
-def _last_boxed(text: str) -> Optional[str]:
-    """Content of the last complete \\boxed{...} / \\fbox{...} (nested braces allowed)."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-        # unbalanced (truncated completion): try an earlier one
-    return None
-
-
-def _strip_latex(s: str) -> str:
-    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
-    s = re.sub(r"\\(?:left|right|,|;|!|\$|%)", "", s)
-    return s.replace("$", "").replace("%", "").strip()
-
-
-def _answer_in(segment: str) -> Optional[str]:
-    """The number a marker points at: the first one after the segment's last '=' (if any)."""
-    if "=" in segment:
-        segment = segment.rsplit("=", 1)[1]
-    m = _NUM.search(segment)
-    return _canon_number(m.group()) if m else None
-
-
-def _first_sentence(text: str) -> str:
-    m = _SENTENCE_END.search(text)
-    return text[: m.start()] if m else text
-
-
-def extract_final_answer(text: str) -> Optional[str]:
-    """The final answer in a completion, as a canonical number string when it is a number.
-
-    Order: last ``\\boxed{X}``; last ``#### X``; last "answer is X" / "answer: X" (within its
-    sentence; "answer is 5 + 3 = 8" gives 8); else the last number that is not an operand of a
-    restated expression. A boxed non-numeric answer (``\\frac{1}{2}``) is returned as written.
-    None when there is no answer.
-    """
-    if not text:
-        return None
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        content = _strip_latex(boxed)
-        num = _canon_number(content)
-        if num is not None:
-            return num
-        after_eq = content.rsplit("=", 1)[-1]
-        nums = _NUM.findall(after_eq)
-        if len(nums) == 1 and not re.search(r"\\|/", after_eq):
-            return _canon_number(nums[0])
-        return content or None
-    hashes = text.rfind("####")
-    if hashes >= 0:
-        num = _answer_in(_first_sentence(text[hashes + 4 :].lstrip()))
-        if num is not None:
-            return num
-    markers = list(_ANSWER_MARKER.finditer(text))
-    for m in reversed(markers):
-        num = _answer_in(_first_sentence(text[m.end() :].lstrip(" \t*:$")))
-        if num is not None:
-            return num
-    for m in reversed(list(_NUM.finditer(text))):
-        if _FOLLOWED_BY_OPERATOR.match(text, m.end()) or _PRECEDED_BY_OPERATOR.search(text[: m.start()]):
-            continue
-        return _canon_number(m.group())
-    return None
-
-
-def answers_match(pred: Optional[str], ref: str) -> bool:
-    """Numeric equality of two answer strings ('68.0' == '68', '1,234' == '1234')."""
-    if pred is None:
-        return False
-    a, b = _canon_number(pred), _canon_number(ref)
-    if a is None or b is None:
-        return False
-    return Decimal(a) == Decimal(b)
-
-
-def numeric_reward(completion: str, example: Example) -> float:
-    """1.0 if the completion's final answer equals ``example.answer`` numerically, else 0.0."""
-    return 1.0 if answers_match(extract_final_answer(completion), example.answer) else 0.0
-
-
-def math_reward(completion: str, example: Example) -> float:
-    """math-verify equivalence (``verify(parse(gold), parse(completion))``), else the numeric check.
-
-    math-verify bounds its own work with ``signal.alarm``, which works only in the main thread;
-    in another thread (inside :func:`score_safely`) its timeouts are switched off and
-    ``score_safely``'s timeout bounds the call instead.
-    """
-    if numeric_reward(completion, example) == 1.0:
-        return 1.0
-    try:
-        from math_verify import parse, verify
-    except ImportError:  # the numeric check above is the fallback
-        return 0.0
-    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
-    limit = 5 if main else None  # math-verify's own default, in seconds
-    gold = parse("\\boxed{" + example.answer + "}", parsing_timeout=limit)
-    if not gold:
-        return 0.0
-    pred = parse(completion, parsing_timeout=limit)
-    if not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,34 +349,13 @@ def _procedural(name: str, seed: int, n_train: int, n_eval: int) -> Tuple[List[E
 # Dataset tasks (gsm8k, math)
 # ---------------------------------------------------------------------------------------------
 
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(?::[\w.-]+)?$")
-
-
-def _reference_answer(row: Dict[str, Any]) -> Optional[str]:
-    """GSM8K '... #### 72' -> '72'; MATH solution -> its last \\boxed{}; else the answer as is."""
-    ans = row.get("answer")
-    if isinstance(ans, (int, float)) and not isinstance(ans, bool):
-        ans = str(ans)
-    if isinstance(ans, str) and ans.strip():
-        if "####" in ans:
-            tail = ans.rsplit("####", 1)[1].strip()
-            return _canon_number(tail) or tail or None
-        return _canon_number(ans) or ans.strip()
-    sol = row.get("solution")
-    if isinstance(sol, str):
-        boxed = _last_boxed(sol)
-        if boxed is not None and boxed.strip():
-            return _canon_number(_strip_latex(boxed)) or boxed.strip()
-    return None
-
-
 def _rows_to_examples(name: str, rows: Sequence[Dict[str, Any]], where: str) -> List[Example]:
     out, seen, skipped = [], set(), 0
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DatasetError(f"task.path: expected each row of {where} to be an object with named columns, row {i + 1} is {type(row).__name__}")
         problem = row.get("question", row.get("problem"))
-        answer = _reference_answer(row)
+        answer = reference_answer(row)
         if not isinstance(problem, str) or not problem.strip() or answer is None:
             skipped += 1
             continue
@@ -541,96 +374,9 @@ def _rows_to_examples(name: str, rows: Sequence[Dict[str, Any]], where: str) -> 
     return out
 
 
-class DatasetError(ValueError):
-    """A dataset file that cannot be read; the message names the file (and the line)."""
-
-
-def _read_file(path: Path) -> List[Dict[str, Any]]:
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".jsonl":
-            rows = []
-            with path.open(encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DatasetError(f"task.path: expected one JSON object per line, {path}:{n} is not JSON ({e.msg}, column {e.colno})") from None
-            return rows
-        if suffix == ".json":
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"task.path: expected a JSON file, {path}:{e.lineno} is not JSON ({e.msg}, column {e.colno})") from None
-            if isinstance(data, dict):  # {"data": [...]} style
-                data = next((v for v in data.values() if isinstance(v, list)), [])
-            if not isinstance(data, list):
-                raise DatasetError(f"task.path: expected a list of rows in {path}, got {type(data).__name__}")
-            return list(data)
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq  # a dependency of `datasets`
-
-            try:
-                return pq.read_table(path).to_pylist()
-            except Exception as e:  # pyarrow's errors (ArrowInvalid, ...) share no useful base
-                raise DatasetError(f"task.path: expected a parquet file, {path} is not readable ({type(e).__name__}: {e})") from None
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"task.path: expected UTF-8 text in {path}, got undecodable bytes at offset {e.start}") from None
-    except OSError as e:
-        raise DatasetError(f"task.path: cannot read {path} ({e.strerror or e})") from None
-    raise DatasetError(f"task.path: expected a .jsonl, .json or .parquet file, got {str(path)!r}")
-
-
-def _split_files(folder: Path) -> Tuple[Optional[Path], Optional[Path]]:
-    def find(stems):
-        for stem in stems:
-            for ext in (".jsonl", ".json", ".parquet"):
-                p = folder / f"{stem}{ext}"
-                if p.is_file():
-                    return p
-        return None
-
-    return find(("train",)), find(("test", "eval", "validation"))
-
-
-def _load_hub(hub: str, config: Optional[str]) -> Tuple[List[Dict[str, Any]], Optional[List[Dict[str, Any]]]]:
-    try:
-        import datasets
-    except ImportError as e:  # pragma: no cover - datasets is in the train extra
-        raise ImportError("gsm8k/math from the hub need the `datasets` package (pip install tokencredit[train])") from e
-    dd = datasets.load_dataset(hub, config)
-    if "train" not in dd:
-        raise ValueError(f"path: hub dataset {hub!r} has no 'train' split (splits: {list(dd)})")
-    test = next((dd[s] for s in ("test", "validation") if s in dd), None)
-    return dd["train"].to_list(), (test.to_list() if test is not None else None)
-
 
 def _dataset_task(name: str, seed: int, n_train: int, n_eval: int, path: Optional[str]) -> Tuple[List[Example], List[Example]]:
-    where: str
-    if path is None:
-        hub, config = DATASET_DEFAULTS[name]
-        train_rows, eval_rows = _load_hub(hub, config)
-        where = hub
-    elif os.path.exists(path):
-        p = Path(path)
-        where = str(p)
-        if p.is_dir():
-            tr_file, ev_file = _split_files(p)
-            if tr_file is None:
-                raise DatasetError(f"task.path: expected train.jsonl/.json/.parquet in folder {where!r}, found none")
-            train_rows = _read_file(tr_file)
-            eval_rows = _read_file(ev_file) if ev_file is not None else None
-        else:
-            train_rows, eval_rows = _read_file(p), None
-    elif _HUB_ID.match(path):
-        hub, _, config = path.partition(":")
-        train_rows, eval_rows = _load_hub(hub, config or None)
-        where = path
-    else:
-        raise DatasetError(f"task.path: expected an existing file/folder or a hub id 'owner/name[:config]', got {path!r}")
-
+    train_rows, eval_rows, where = load_task_rows(name, path, DATASET_DEFAULTS[name])
     train_pool = _rows_to_examples(name, train_rows, where)
     if eval_rows is not None:
         ev = _rows_to_examples(name, eval_rows, where)[:n_eval]  # a given test split: its first rows
@@ -698,57 +444,6 @@ def make_task(
 
 
 # ---------------------------------------------------------------------------------------------
-# User reward functions
-# ---------------------------------------------------------------------------------------------
-
-
-class RewardFnError(ValueError):
-    """A reward_fn import path that cannot be used; the message names the path and the cause."""
-
-
-def load_reward_fn(import_path: str) -> Callable[[str, Example], float]:
-    """'package.module:function' (or 'path/to/file.py:function') -> the callable.
-
-    The attribute may be dotted ('mod:Class.method'). The callable must accept
-    ``(completion, example)``.
-    """
-    if not isinstance(import_path, str) or import_path.count(":") < 1:
-        raise RewardFnError(f"reward_fn: expected 'package.module:function', got {import_path!r}")
-    module_name, _, attr = import_path.rpartition(":")
-    if not module_name or not attr:
-        raise RewardFnError(f"reward_fn: expected 'package.module:function', got {import_path!r}")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise FileNotFoundError(f"no file {module_name!r}")
-            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as e:
-        raise RewardFnError(
-            f"reward_fn {import_path!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})"
-        ) from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardFnError(f"reward_fn {import_path!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardFnError(f"reward_fn {import_path!r}: {attr!r} is a {type(obj).__name__}, not callable")
-    try:
-        inspect.signature(obj).bind("completion", None)
-    except TypeError as e:
-        raise RewardFnError(
-            f"reward_fn {import_path!r}: must accept (completion, example), its signature does not ({e})"
-        ) from e
-    except ValueError:  # builtins without a signature: let the call decide
-        pass
-    return obj
-
-
-# ---------------------------------------------------------------------------------------------
 # Safe scoring
 # ---------------------------------------------------------------------------------------------
 
@@ -764,28 +459,6 @@ def _log_failure_once(fn: Callable, kind: str, exc: Optional[BaseException]) -> 
         logger.warning("reward %s failed (%s); scored 0.0 (logged once per kind)", key[0], kind, exc_info=exc)
     else:
         logger.warning("reward %s %s; scored 0.0 (logged once per kind)", key[0], kind)
-
-
-class RewardValueError(ValueError):
-    """A reward function returned something that is not a reward (see :func:`check_reward`)."""
-
-
-def check_reward(value: Any, reward_range: Optional[Tuple[float, float]] = None) -> float:
-    """``value`` as a float if it is a finite real number (a bool, a numpy scalar or a one-element
-    tensor counts; a string such as ``"1.0"`` does not) within ``reward_range`` (inclusive), else
-    :class:`RewardValueError`. Training and evaluation both score through this check
-    (``Task.reward`` inside :func:`score_safely`)."""
-    if not (isinstance(value, numbers.Real) or hasattr(type(value), "__float__")) or isinstance(value, (str, bytes, complex)):
-        raise RewardValueError(f"reward: expected a real number, got {type(value).__name__} {value!r:.60}")
-    try:
-        r = float(value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise RewardValueError(f"reward: expected a single real number, got {type(value).__name__} ({e})") from None
-    if not math.isfinite(r):
-        raise RewardValueError(f"reward: expected a finite number, got {r}")
-    if reward_range is not None and not reward_range[0] <= r <= reward_range[1]:
-        raise RewardValueError(f"reward: expected a number in [{reward_range[0]}, {reward_range[1]}], got {r}")
-    return r
 
 
 def _as_reward(fn: Callable, value: Any) -> Tuple[float, Optional[str]]:
@@ -841,3 +514,13 @@ def score_safely(
         _log_failure_once(fn, "error", exc)
         return 0.0, "error"
     return _as_reward(fn, future.result())
+
+
+def make_data_task(data: Any, *, seed: int = 0, n_train: int = 512, n_eval: int = 64) -> Task:
+    """The task of own data (``data``: a ``DataConfig``, :func:`tokencredit.datasource.load_own_data`):
+    its reward, unless ``reward.funcs`` replace it, is math-verify against the answer column."""
+    from .datasource import load_own_data
+
+    d = load_own_data(data, seed=seed, n_train=n_train, n_eval=n_eval)
+    return Task(name="data", train=d.train, eval=d.eval, scorer=math_reward, description=f"own data from {d.where}",
+                answer_column=d.answer_column, has_default_reward=d.answer_column is not None)

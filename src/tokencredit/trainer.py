@@ -114,6 +114,10 @@ class Trainer:
         except ValueError as e:  # a loss setting this policy loss cannot take
             raise ConfigError(" ".join(str(e).split())) from None
 
+        if task is None and cfg.data.path is not None:  # own data (--data.path), through `datasets`
+            from .tasks import make_data_task
+
+            task = make_data_task(cfg.data, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval)
         self.task = task if task is not None else make_task(
             cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval,
             path=cfg.task.path, reward_fn=cfg.task.reward_fn,
@@ -124,6 +128,11 @@ class Trainer:
                     f"task: expected a non-empty {split} split, got 0 examples from task {self.task.name!r} "
                     f"(n_train {cfg.task.n_train}, n_eval {cfg.task.n_eval}, path {cfg.task.path!r})"
                 )
+        # the reward functions (reward.funcs, else the task's own), imported and checked now; every
+        # call runs in a killable worker process (tokencredit.rewards)
+        from .rewards import runner_for
+
+        self.rewards = runner_for(cfg, self.task)
 
         # -- models ---------------------------------------------------------------------
         from .models import ValueHead, add_lora, check_chat_template, check_generation_budget, is_lora, load_frozen, resolve_model
@@ -221,16 +230,19 @@ class Trainer:
             seed=seed,
         )
 
-    def _score(self, rb, examples) -> Dict[str, Any]:
-        from .tasks import score_safely
+    def _reward_scores(self, rb, examples):
+        """The reward functions on a rollout batch (tokencredit.rewards: TRL's arguments, each call
+        in the killable worker, on its own copy of the rows)."""
+        exs = [examples[int(i)] for i in rb.prompt_index]
+        conv = bool(exs) and exs[0].conversational
+        completions = [[{"role": "assistant", "content": t}] for t in rb.texts] if conv else list(rb.texts)
+        ids = [row[m.bool()].tolist() for row, m in zip(rb.response_ids.cpu(), rb.response_mask.cpu())]
+        prompts = [list(e.messages) if e.conversational else e.prompt_value() for e in exs]
+        return self.rewards.score(completions, ids, exs, prompts, state={"global_step": self.step, "max_steps": self.cfg.steps})
 
-        rewards, failed = [], {"error": 0, "timeout": 0}
-        for i, text in enumerate(rb.texts):
-            ex = examples[int(rb.prompt_index[i])]
-            r, why = score_safely(self.task.reward, text, ex, self.cfg.task.reward_timeout_s)
-            if why is not None:
-                failed[why] += 1
-            rewards.append(r)
+    def _score(self, rb, examples) -> Dict[str, Any]:
+        sc = self._reward_scores(rb, examples)
+        rewards, failed = sc.total, sc.failed
         rewards = torch.tensor(rewards, dtype=torch.float32)
         correct = rewards.clone()
         if self.cfg.dapo.overlong_shaping:
@@ -240,7 +252,7 @@ class Trainer:
             L = self.cfg.rollout.max_new_tokens
             cache = self.cfg.dapo.overlong_cache if self.cfg.dapo.overlong_cache is not None else max(1, L // 5)
             rewards = rewards + overlong_penalty(lengths, L, cache)
-        return {"rewards": rewards, "correct": correct, "failed": failed}
+        return {"rewards": rewards, "correct": correct, "failed": failed, "scores": sc}
 
     def _collect(self) -> Dict[str, Any]:
         """Rollouts for one step; with DAPO dynamic sampling, regenerate (bounded) to fill."""
@@ -274,6 +286,9 @@ class Trainer:
             kept.append({"rb": rb, "examples": examples, "keep": keep, **sc})
             if not d.dynamic_sampling or n_groups >= r.prompts_per_step or rounds >= d.max_rounds:
                 break
+        # a reward function that failed on every completion of reward.max_failing_steps steps in a
+        # row stops the run here (RewardFailure, one line naming it, the row and the exception)
+        self.rewards.end_step(self.step + 1, [p["scores"] for p in kept])
         return {"parts": kept, "rounds": rounds, "failed": failed, "all_correct": torch.cat(all_rewards)}
 
     # -- signals ---------------------------------------------------------------------------
@@ -312,6 +327,24 @@ class Trainer:
         batch.oracle_attention_mask = j["attention_mask"].to(self.device)
         batch.oracle_prompt_len = j["prompt_len"]
 
+    def _warn_clipped(self, metrics: Dict[str, float]) -> None:
+        """Budget sanity: completions that hit rollout.max_new_tokens end without an answer, and a
+        step where most do learns little. Above reward.clipped_warn_ratio: a log line (at the
+        first such step and every 10th after) and ``clipped`` in the progress bar."""
+        ratio = metrics.get("completions/clipped_ratio")
+        if ratio is None or ratio <= self.cfg.reward.clipped_warn_ratio:
+            return
+        n = getattr(self, "_clipped_steps", 0)
+        self._clipped_steps = n + 1
+        if n % 10 == 0:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "step %d: %.0f%% of the completions hit rollout.max_new_tokens (%d) without ending "
+                "(completions/clipped_ratio above reward.clipped_warn_ratio %.2f): raise --rollout.max-new-tokens "
+                "or ask for shorter answers", self.step + 1, 100 * ratio, self.cfg.rollout.max_new_tokens,
+                self.cfg.reward.clipped_warn_ratio)
+
     def _saves_rollouts_this_step(self) -> bool:
         nxt = self.step + 1
         return self.cfg.log.save_rollouts and (nxt % self.cfg.log.eval_every == 0 or nxt == self.cfg.steps)
@@ -344,6 +377,14 @@ class Trainer:
             "reward/failed_timeout": float(col["failed"]["timeout"]),
             "rollout/rounds": float(col["rounds"]),
         }
+        # TRL's names: rewards/NAME/mean|std, reward, reward_std, frac_reward_zero_std, completions/*
+        from .rewards import completion_metrics, reward_metrics
+
+        parts = col["parts"]
+        metrics.update(reward_metrics([p["scores"] for p in parts], [p["rb"].prompt_index.tolist() for p in parts]))
+        metrics.update(completion_metrics(torch.cat([p["rb"].response_mask.sum(1) for p in parts]).tolist(),
+                                          torch.cat([p["rb"].truncated for p in parts]).tolist()))
+        self._warn_clipped(metrics)
         if batch is None:  # dynamic sampling found no group with signal
             metrics["update/skipped"] = 1.0
             return metrics
@@ -487,11 +528,12 @@ class Trainer:
     # -- eval -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
-        """Greedy accuracy and mean@k on the eval split. Rewards go through the same guard as in
-        training (:func:`~tokencredit.tasks.score_safely`: ``task.reward_timeout_s``, and only a
-        finite number in the task's range counts); a failed one scores 0 and is counted in
-        ``eval/failed_error`` / ``eval/failed_timeout``."""
-        from .tasks import score_safely
+        """Greedy accuracy (the mean reward of greedy completions) and mean@k on the eval split.
+        Rewards go through the same guarded calls as in training (tokencredit.rewards: a killable
+        worker, ``task.reward_timeout_s`` per completion); a failed value is left out (0 when it was
+        the only one) and counted in ``eval/failed_error`` / ``eval/failed_timeout``. With several
+        reward functions, each one's ``eval/rewards/NAME/mean`` and ``/std`` too."""
+        from .rewards import reward_metrics
 
         ex = self.task.eval
         if not ex:  # never report an accuracy of an empty split
@@ -499,26 +541,33 @@ class Trainer:
         k = self.cfg.log.eval_samples
         greedy, meank, samples = [], [], []
         failed = {"error": 0, "timeout": 0}
+        greedy_scores, greedy_groups = [], []
 
-        def score(text, example) -> float:
-            r, why = score_safely(self.task.reward, text, example, self.cfg.task.reward_timeout_s)
-            if why is not None:
-                failed[why] += 1
-            return r
+        def score(rb, examples):
+            sc = self._reward_scores(rb, examples)
+            for kind in failed:
+                failed[kind] += sc.failed[kind]
+            return sc
 
         chunk = 16
         for s in range(0, len(ex), chunk):
             part = ex[s : s + chunk]
             rb = self._generate(part, num_samples=1, temperature=0.0)
+            sc = score(rb, part)
+            greedy_scores.append(sc)
+            greedy_groups.append(rb.prompt_index.tolist())
             for i, text in enumerate(rb.texts):
-                greedy.append(score(text, part[i]))
+                greedy.append(sc.total[i])
                 samples.append({"id": part[i].id, "question": part[i].question, "answer": part[i].answer, "greedy": text, "reward": greedy[-1]})
             if k > 0:
                 rbk = self._generate(part, num_samples=k, temperature=self.cfg.rollout.temperature,
                                      seed=self.cfg.seed * 1_000_003 + self.step * 1009 + s)
-                for i, text in enumerate(rbk.texts):
-                    meank.append(score(text, part[int(rbk.prompt_index[i])]))
+                meank.extend(score(rbk, part).total)
+        # greedy_acc: the mean (weighted) reward of the greedy completions, an accuracy for a 0/1 reward
         metrics = {"eval/greedy_acc": float(np.mean(greedy))}
+        if len(self.rewards.funcs) > 1:
+            metrics.update({k: v for k, v in reward_metrics(greedy_scores, greedy_groups, prefix="eval/").items()
+                            if k.startswith("eval/rewards/")})
         if meank:
             metrics[f"eval/mean@{k}"] = float(np.mean(meank))
         metrics["eval/failed_error"] = float(failed["error"])
@@ -676,6 +725,8 @@ class Trainer:
                     entropy=f"{metrics.get('entropy/mean', float('nan')):.3f}",
                     tok_s=f"{metrics.get('time/tokens_per_s', 0):.0f}",
                     acc=f"{metrics.get('eval/greedy_acc', float('nan')):.2f}",
+                    **({"clipped": f"{metrics['completions/clipped_ratio']:.2f}!"}
+                       if metrics.get("completions/clipped_ratio", 0.0) > cfg.reward.clipped_warn_ratio else {}),
                 )
                 self._dirty = False
                 if self.step % cfg.save_every == 0 or self.step == cfg.steps or self._stop_requested:
@@ -696,6 +747,7 @@ class Trainer:
                 signal.signal(sig, handler)
             bar.close()
             self._metrics_file.close()
+            self.rewards.close()  # the reward worker process (a later call starts a new one)
         return last
 
     def _check_resume_config(self, saved: Any, where: Optional[Path] = None) -> None:

@@ -1,0 +1,703 @@
+"""Reward functions as TRL writes them, and the guarded calls that run them.
+
+**The contract** is TRL's (``trl.GRPOTrainer``'s custom reward functions), so one function works
+in ``tokencredit train``, in :class:`~tokencredit.integrations.trl.TokenCreditGRPOTrainer` and,
+through :mod:`tokencredit.integrations.verl.rewards`, in verl::
+
+    def correct(prompts, completions, completion_ids, solution, **kwargs) -> list[float | None]
+
+``prompts`` and ``completions`` are texts, or chat messages for conversational data (a
+completion is then ``[{"role": "assistant", "content": text}]``); ``completion_ids`` the token
+ids; every other column of the row comes as a keyword argument holding one value per completion
+(a prompt's K samples repeat its row), plus ``trainer_state`` (``global_step``, ``max_steps``),
+``log_metric(name, value)`` (logged as ``rewards/extra/NAME``) and ``log_extra`` (accepted,
+ignored). It returns one float (any range) per completion, or ``None`` for "not applicable".
+``--reward.funcs mod:fn file.py:fn math numeric`` names them (built-ins: :data:`BUILTINS`),
+``--reward.weights`` weighs them; the reward of a completion is the weighted sum over the
+functions that scored it (``nansum``, TRL's ``sum_then_normalize``).
+
+**The guard.** Every call runs in a worker *process* (``multiprocessing`` with the forkserver
+start method, spawn where there is none), so a call that passes its budget is ended, not
+abandoned: the worker is killed and a fresh one takes the next call. A call's budget is
+``timeout_s`` per completion it scores. The worker ignores Ctrl-C (the trainer decides), is a
+daemon process (it cannot keep a finished run alive) and receives its arguments pickled, so each
+call works on its own copy of the rows: a function that mutates ``kwargs["prompt"]`` changes
+nothing the trainer sees. Loading a function (importing its module) is bounded separately
+(:data:`LOAD_TIMEOUT_S`), so a slow import does not count against a call.
+
+**Failures.** A call that raises, returns the wrong number of values or passes its budget fails
+for every completion it was given; a value that is not a finite real number (a string ``"1.0"``,
+NaN) fails for its completion. A failed value counts as "not scored" (NaN, left out of the
+weighted sum like ``None``) and is counted (``reward/failed_error``, ``reward/failed_timeout``,
+``rewards/NAME/failed``). A function that fails on every completion of ``max_failing_steps``
+consecutive training steps stops the run with :class:`RewardFailure`, one line naming the
+function, the row and the exception.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .grading import (
+    RewardValueError,
+    answers_match,
+    check_reward,
+    extract_final_answer,
+    gold_answer,
+    math_reward,
+    math_verify_equal,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BUILTINS",
+    "LOAD_TIMEOUT_S",
+    "RewardFailure",
+    "RewardFnError",
+    "RewardFunc",
+    "RewardRunner",
+    "RewardScores",
+    "load_reward_fn",
+    "completion_metrics",
+    "load_reward_funcs",
+    "math_accuracy",
+    "numeric_accuracy",
+    "per_sample_func",
+    "reward_metrics",
+    "runner_for",
+]
+
+#: seconds a worker may take to import a reward function's module (not counted against a call)
+LOAD_TIMEOUT_S = 300.0
+
+
+class RewardFnError(ValueError):
+    """A reward function that cannot be used (import path, attribute, signature); the message
+    names the function and the cause."""
+
+
+class RewardFailure(RewardFnError):
+    """A reward function failed on every completion of several consecutive steps."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in reward functions (TRL contract)
+# ---------------------------------------------------------------------------------------------
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: the string, or the content of a conversational completion's last message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def math_accuracy(completions, answer_column: str = "answer", **kwargs) -> List[Optional[float]]:
+    """Built-in ``math``: 1.0 when math-verify finds the completion's answer equal to the row's
+    reference (the column ``answer_column``), else 0.0; None for a row without a reference."""
+    golds = kwargs.get(answer_column)
+    if golds is None:
+        raise KeyError(f"built-in reward 'math' reads the column {answer_column!r}, which the rows do not have "
+                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
+    out: List[Optional[float]] = []
+    for c, g in zip(completions, golds):
+        gold = gold_answer(g)
+        out.append(None if gold is None else (1.0 if math_verify_equal(gold, _text(c)) else 0.0))
+    return out
+
+
+def numeric_accuracy(completions, answer_column: str = "answer", **kwargs) -> List[Optional[float]]:
+    """Built-in ``numeric``: 1.0 when the completion's final answer
+    (:func:`~tokencredit.grading.extract_final_answer`) equals the reference numerically."""
+    golds = kwargs.get(answer_column)
+    if golds is None:
+        raise KeyError(f"built-in reward 'numeric' reads the column {answer_column!r}, which the rows do not have "
+                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
+    out: List[Optional[float]] = []
+    for c, g in zip(completions, golds):
+        gold = gold_answer(g)
+        out.append(None if gold is None else (1.0 if answers_match(extract_final_answer(_text(c)), gold) else 0.0))
+    return out
+
+
+#: built-in reward names -> TRL-contract functions (the answer column is bound when loaded)
+BUILTINS: Dict[str, Callable[..., List[Optional[float]]]] = {"math": math_accuracy, "numeric": numeric_accuracy}
+
+#: keyword arguments the caller adds to the row's columns (TRL's names)
+_TRL_EXTRA_KWARGS = ("trainer_state", "log_metric", "log_extra")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _import_target(import_path: str, field_name: str) -> Tuple[Any, tuple]:
+    """'pkg.mod:fn' / 'path/file.py:fn' / 'mod:Class.method' -> (the object, the reference a worker
+    process loads it by). A module that is not importable by name is looked up as a file
+    relative to the current directory (``my_rewards:fn`` next to the data)."""
+    if not isinstance(import_path, str) or ":" not in import_path:
+        raise RewardFnError(f"{field_name}: expected 'package.module:function' or 'file.py:function', got {import_path!r}")
+    module_name, _, attr = import_path.rpartition(":")
+    if not module_name or not attr:
+        raise RewardFnError(f"{field_name}: expected 'package.module:function' or 'file.py:function', got {import_path!r}")
+    if module_name.endswith(".py"):
+        ref: tuple = ("file", os.path.abspath(module_name), attr)
+    else:
+        try:
+            found = importlib.util.find_spec(module_name) is not None
+        except (ImportError, ValueError):
+            found = False
+        local = Path(*module_name.split(".")).with_suffix(".py")
+        ref = ("module", module_name, attr) if found or not local.is_file() else ("file", str(local.resolve()), attr)
+    try:
+        obj = _resolve(ref)
+    except AttributeError as e:
+        raise RewardFnError(f"{field_name} {import_path!r}: {e}") from None
+    except Exception as e:
+        where = ref[1]
+        raise RewardFnError(
+            f"{field_name} {import_path!r}: cannot import module {where!r} ({type(e).__name__}: {_one_line(str(e))})"
+        ) from e
+    if not callable(obj):
+        raise RewardFnError(f"{field_name} {import_path!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    return obj, ref
+
+
+def _load_file_module(path: str):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no file {path!r}")
+    name = f"tokencredit_user_{abs(hash(path)):x}_{Path(path).stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # pickling of the module's objects finds it
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _resolve(ref: tuple) -> Any:
+    """A reference (see :func:`_import_target`, :class:`RewardFunc`) -> the callable."""
+    kind = ref[0]
+    if kind == "object":
+        return ref[1]
+    if kind == "builtin":
+        if ref[1] == "math":
+            _warm_math_verify()
+        return partial(BUILTINS[ref[1]], answer_column=ref[2])
+    if kind == "per_sample":
+        inner = _resolve(ref[1])
+        if inner is math_reward:
+            _warm_math_verify()
+        return partial(_per_sample, inner, ref[2])
+    module = importlib.import_module(ref[1]) if kind == "module" else _load_file_module(ref[1])
+    obj: Any = module
+    for part in ref[2].split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"module {ref[1]!r} has no attribute {ref[2]!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _warm_math_verify() -> None:
+    """math-verify's first call imports sympy and its LaTeX parser (seconds): done when a function
+    is loaded, so that it does not count against the first call's budget."""
+    try:
+        math_verify_equal("1", "\\boxed{1}")
+    except ImportError:
+        pass
+
+
+def load_reward_fn(import_path: str) -> Callable:
+    """A per-completion reward ``fn(completion, example) -> float`` (``task.reward_fn``), by
+    'package.module:function' or 'path/to/file.py:function'. A function written for TRL's
+    contract (``completions`` first, or only keyword arguments) is refused with a pointer to
+    ``--reward.funcs``."""
+    obj, ref = _import_target(import_path, "reward_fn")
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        sig = None
+    if sig is not None:
+        names = list(sig.parameters)
+        if names and names[0] in ("prompts", "completions", "completion_ids"):
+            raise RewardFnError(
+                f"reward_fn {import_path!r}: takes TRL's arguments ({names[0]}, ...); give it as "
+                f"--reward.funcs {import_path} (task.reward_fn takes fn(completion, example))"
+            )
+        try:
+            sig.bind("completion", None)
+        except TypeError as e:
+            raise RewardFnError(f"reward_fn {import_path!r}: must accept (completion, example), its signature does not ({e})") from e
+    try:
+        obj.__tokencredit_ref__ = ref  # how a worker process loads it
+    except (AttributeError, TypeError):
+        pass
+    return obj
+
+
+@dataclass
+class RewardFunc:
+    """One reward function as the runner calls it: a display ``name`` (TRL's: the function's
+    ``__name__``), the ``ref`` a worker loads it by, its ``weight``; ``per_sample`` functions take
+    ``(completion, example)`` and must return a number in ``reward_range``."""
+
+    name: str
+    ref: tuple
+    weight: float = 1.0
+    spec: str = ""  # what the user wrote (messages name it)
+    per_sample: bool = False
+
+
+def _callable_name(fn: Any) -> str:
+    while isinstance(fn, partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def load_reward_funcs(specs: Sequence[str], weights: Sequence[float] = (), answer_column: str = "answer") -> List[RewardFunc]:
+    """``--reward.funcs`` / ``--reward.weights`` -> the functions, each imported and checked here
+    (before any model loads): a built-in name (:data:`BUILTINS`, grading against
+    ``answer_column``), 'package.module:function' or 'file.py:function' taking TRL's keyword
+    arguments. One line naming the function for anything that cannot work."""
+    if weights and len(weights) != len(specs):
+        raise RewardFnError(f"reward.weights: expected {len(specs)} weights, one per reward.funcs entry, got {len(weights)}")
+    out: List[RewardFunc] = []
+    for i, spec in enumerate(specs):
+        w = float(weights[i]) if weights else 1.0
+        if not isinstance(spec, str) or not spec.strip():
+            raise RewardFnError(f"reward.funcs: expected a built-in name ({', '.join(BUILTINS)}) or 'module:function', got {spec!r}")
+        if spec in BUILTINS:
+            out.append(RewardFunc(name=spec, ref=("builtin", spec, answer_column), weight=w, spec=spec))
+            continue
+        if ":" not in spec:
+            raise RewardFnError(f"reward.funcs: expected a built-in name ({', '.join(BUILTINS)}) or 'module:function', got {spec!r}")
+        obj, ref = _import_target(spec, "reward.funcs")
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None:
+            params = sig.parameters
+            has_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            if "completions" not in params and not has_kw:
+                raise RewardFnError(
+                    f"reward.funcs {spec!r}: expected a function of TRL's keyword arguments (prompts, completions, "
+                    f"completion_ids, the row's columns, **kwargs), got one with parameters ({', '.join(params)})"
+                )
+        out.append(RewardFunc(name=_callable_name(obj), ref=ref, weight=w, spec=spec))
+    names = [f.name for f in out]
+    for f in out:  # two functions of one name would log into one metric
+        if names.count(f.name) > 1:
+            f.name = f.spec.replace(":", ".")
+    return out
+
+
+def per_sample_func(fn: Callable, reward_range: Optional[Tuple[float, float]], name: Optional[str] = None) -> RewardFunc:
+    """A per-completion grader ``fn(completion, example) -> float`` (a task's reward, or
+    ``task.reward_fn``) as a :class:`RewardFunc`: called once per completion inside one worker
+    call, each value checked against ``reward_range``."""
+    inner = getattr(fn, "__tokencredit_ref__", None) or ("object", fn)
+    return RewardFunc(name=name or _callable_name(fn), ref=("per_sample", inner, reward_range), spec=_callable_name(fn),
+                      per_sample=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker process
+# ---------------------------------------------------------------------------------------------
+
+_FAIL = "__tokencredit_failed__"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(e: BaseException) -> str:
+    return _one_line(f"{type(e).__name__}: {e}")
+
+
+def _per_sample(fn: Callable, reward_range, completions, examples, **_: Any) -> list:
+    """One worker call of a per-completion grader: each completion on its own, a failure (an
+    exception, a value that is no finite number in range) for that completion only."""
+    out = []
+    for c, ex in zip(completions, examples):
+        try:
+            out.append(check_reward(fn(_text(c), ex), reward_range))
+        except BaseException as e:  # noqa: BLE001 - user code; reported, never raised here
+            out.append((_FAIL, _describe(e)))
+    return out
+
+
+def _checked(values: Any, n: int) -> list:
+    """A function's return value as ``n`` entries: a float, None, or a failure marker."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RewardValueError(f"expected a list of {n} floats or None, got {type(values).__name__} {values!r:.60}")
+    values = list(values)
+    if len(values) != n:
+        raise RewardValueError(f"returned {len(values)} values for {n} completions (expected one per completion)")
+    out = []
+    for v in values:
+        if v is None or (isinstance(v, tuple) and len(v) == 2 and v[0] == _FAIL):
+            out.append(v)
+            continue
+        try:
+            out.append(check_reward(v))
+        except RewardValueError as e:
+            out.append((_FAIL, str(e)))
+    return out
+
+
+def _worker_main(conn) -> None:
+    """The worker's loop: ("load", key, ref, sys_path, cwd) and ("call", key, kwargs, n)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    funcs: Dict[Any, Callable] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if msg[0] == "load":
+                _, key, ref, sys_path, cwd = msg
+                sys.path[:] = sys_path
+                if os.getcwd() != cwd:
+                    os.chdir(cwd)
+                funcs[key] = _resolve(ref)
+                conn.send(("ok", None, None))
+            else:
+                _, key, kwargs, n = msg
+                metrics: Dict[str, float] = {}
+                kwargs["log_metric"] = lambda name, value: metrics.__setitem__(str(name), float(value))
+                kwargs["log_extra"] = lambda *a, **k: None
+                values = _checked(funcs[key](**kwargs), n)
+                conn.send(("ok", values, metrics))
+        except BaseException as e:  # noqa: BLE001 - user code: reported to the parent
+            try:
+                conn.send(("error", _describe(e), traceback.format_exc()))
+            except Exception:  # an unpicklable exception text cannot happen (strings); a closed pipe can
+                return
+
+
+def _context():
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        # the server imports tokencredit (and torch) once; each worker is a cheap fork of it
+        ctx.set_forkserver_preload(["tokencredit.rewards"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+class _Worker:
+    """One daemon worker process and its pipe; killed and replaced after a timeout."""
+
+    def __init__(self):
+        self.proc = None
+        self.conn = None
+        self.loaded: set = set()
+        self._finalizer = None
+
+    def _start(self) -> None:
+        ctx = _context()
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="tokencredit-reward")
+        proc.start()
+        child.close()
+        self.proc, self.conn, self.loaded = proc, parent, set()
+        self._finalizer = weakref.finalize(self, _kill, proc, parent)
+
+    def kill(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self.proc = self.conn = self._finalizer = None
+        self.loaded = set()
+
+    def request(self, msg: tuple, timeout: float) -> Optional[tuple]:
+        """Send ``msg`` and wait up to ``timeout`` seconds for the reply; None on timeout (the
+        worker is killed). A worker that died answers ("error", ...)."""
+        if self.proc is None:
+            self._start()
+        try:
+            self.conn.send(msg)
+            if not self.conn.poll(timeout):
+                self.kill()
+                return None
+            return self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            # the worker closed its end: it has ended (os._exit, a crash); collect its exit code
+            # (the wait returns at once for a process that has exited; one that has not is killed)
+            self.proc.join(timeout=10.0)
+            code = self.proc.exitcode
+            self.kill()
+            return ("error", f"the reward worker process ended (exit code {code})", "")
+        except BaseException:  # Ctrl-C while waiting: the worker's reply would be stale
+            self.kill()
+            raise
+
+
+def _kill(proc, conn) -> None:
+    try:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardScores:
+    """The rewards of one batch. ``values[f][i]``: function f's reward of completion i (NaN when
+    it returned None or failed); ``total[i]``: the weighted sum over the functions that scored it
+    (0 when none did, TRL's ``nansum``)."""
+
+    names: List[str]
+    values: List[List[float]]
+    total: List[float]
+    failed: Dict[str, int]  # completions whose score failed, by kind: error / timeout
+    failed_per_func: List[int]
+    all_failed: List[bool]  # function f failed on every completion of the batch
+    first_failure: List[Optional[str]]  # function f's first failure: "row R: Exception: message"
+    extra: Dict[str, float] = field(default_factory=dict)  # log_metric values
+
+
+class RewardRunner:
+    """Calls reward functions on batches, each call in a killable worker process.
+
+    ``score(completions, completion_ids, examples, prompts)`` calls every function once on the
+    batch; ``end_step(scores)`` records a training step's batches and raises
+    :class:`RewardFailure` once a function has failed on every completion of
+    ``max_failing_steps`` consecutive steps. ``close()`` ends the worker (also done at exit)."""
+
+    def __init__(self, funcs: Sequence[RewardFunc], timeout_s: float = 5.0, max_failing_steps: int = 2):
+        if not funcs:
+            raise ValueError("reward funcs: expected at least one reward function, got none")
+        self.funcs = list(funcs)
+        self.timeout_s = float(timeout_s)
+        self.max_failing_steps = int(max_failing_steps)
+        self._worker = _Worker()
+        self._streak = [0] * len(self.funcs)
+        self._logged: set = set()
+
+    @property
+    def names(self) -> List[str]:
+        return [f.name for f in self.funcs]
+
+    def close(self) -> None:
+        self._worker.kill()
+
+    def _load(self, i: int) -> Optional[str]:
+        f = self.funcs[i]
+        if i in self._worker.loaded and self._worker.proc is not None:
+            return None
+        reply = self._worker.request(("load", i, f.ref, list(sys.path), os.getcwd()), LOAD_TIMEOUT_S)
+        if reply is None:
+            return f"loading it took more than {LOAD_TIMEOUT_S:.0f} s"
+        if reply[0] != "ok":
+            return f"cannot load it in the reward worker ({reply[1]})"
+        self._worker.loaded.add(i)
+        return None
+
+    def _call(self, i: int, kwargs: Dict[str, Any], n: int) -> Tuple[str, Any, Any]:
+        """("ok", values, metrics) | ("error", message, traceback) | ("timeout", message, None)."""
+        problem = self._load(i)
+        if problem is not None:
+            return ("error", problem, "")
+        budget = self.timeout_s * max(n, 1)
+        reply = self._worker.request(("call", i, kwargs, n), budget)
+        if reply is None:
+            return ("timeout", f"TimeoutError: the call on {n} completions passed its {budget:g} s budget and was ended", None)
+        return reply
+
+    def score(self, completions: Sequence[Any], completion_ids: Sequence[Sequence[int]], examples: Sequence[Any],
+              prompts: Sequence[Any], state: Optional[Dict[str, Any]] = None) -> RewardScores:
+        """Every function on one batch: ``completions[i]`` answers ``examples[i]`` (an
+        :class:`~tokencredit.tasks.Example`: its ``columns()`` are the keyword arguments) after
+        ``prompts[i]``."""
+        n = len(completions)
+        rows = [ex.columns() for ex in examples]
+        keys = list(rows[0]) if rows else []
+        F = len(self.funcs)
+        values = [[math.nan] * n for _ in range(F)]
+        failed = {"error": 0, "timeout": 0}
+        failed_per_func, all_failed, first = [0] * F, [False] * F, [None] * F
+        extra: Dict[str, float] = {}
+        for fi, f in enumerate(self.funcs):
+            if f.per_sample:
+                kwargs = {"completions": list(completions), "examples": list(examples)}
+            else:
+                kwargs = {k: [r.get(k) for r in rows] for k in keys}
+                kwargs.update(prompts=list(prompts), completions=list(completions),
+                              completion_ids=[list(map(int, c)) for c in completion_ids],
+                              trainer_state=SimpleNamespace(**(state or {})))
+            status, a, b = self._call(fi, kwargs, n)
+            if status != "ok":
+                failed["timeout" if status == "timeout" else "error"] += n
+                failed_per_func[fi] = n
+                all_failed[fi] = n > 0
+                first[fi] = f"row {_row_id(examples, 0)}: {a}"
+                self._log_once(f, status, a, b)
+                continue
+            extra.update({f"rewards/extra/{k}": v for k, v in (b or {}).items()})
+            bad = 0
+            for i, v in enumerate(a):
+                if isinstance(v, tuple):
+                    bad += 1
+                    if first[fi] is None:
+                        first[fi] = f"row {_row_id(examples, i)}: {v[1]}"
+                        self._log_once(f, "error", v[1], None)
+                elif v is not None:
+                    values[fi][i] = float(v)
+            failed["error"] += bad
+            failed_per_func[fi] = bad
+            all_failed[fi] = n > 0 and bad == n
+        total = []
+        for i in range(n):
+            col = [(values[fi][i], self.funcs[fi].weight) for fi in range(F)]
+            total.append(sum(v * w for v, w in col if not math.isnan(v)))
+        return RewardScores(self.names, values, total, failed, failed_per_func, all_failed, first, extra)
+
+    def end_step(self, step: int, batches: Sequence[RewardScores]) -> None:
+        """Record one training step (its batches); a function that failed on every completion of
+        ``max_failing_steps`` consecutive steps raises :class:`RewardFailure`."""
+        for fi, f in enumerate(self.funcs):
+            if batches and all(b.all_failed[fi] for b in batches):
+                self._streak[fi] += 1
+            else:
+                self._streak[fi] = 0
+            if self._streak[fi] >= self.max_failing_steps:
+                last = next((b.first_failure[fi] for b in reversed(batches) if b.first_failure[fi]), "?")
+                raise RewardFailure(
+                    f"reward {f.spec or f.name}: failed on every completion of {self._streak[fi]} consecutive steps "
+                    f"(reward.max_failing_steps {self.max_failing_steps}), the run stops at step {step}; {last}"
+                )
+
+    def _log_once(self, f: RewardFunc, kind: str, message: str, tb: Optional[str]) -> None:
+        key = (f.name, kind, message.split(":", 1)[0])
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        logger.warning("reward %s failed (%s): %s; its value is left out (logged once per kind)%s",
+                       f.name, kind, message, f"\n{tb}" if tb else "")
+
+
+def _row_id(examples: Sequence[Any], i: int) -> str:
+    ex = examples[i] if i < len(examples) else None
+    return str(getattr(ex, "id", i))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the runner of a run, and TRL's metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def runner_for(cfg: Any, task: Any) -> RewardRunner:
+    """The reward functions of a run (``cfg``: a TrainConfig, ``task``: its Task), checked and
+    imported here, before any model loads: ``reward.funcs`` with ``reward.weights``, else the
+    task's own reward (``task.reward_fn`` or its built-in grader), per completion."""
+    rc = cfg.reward
+    if rc.funcs:
+        builtins = [s for s in rc.funcs if s in BUILTINS]
+        if builtins and task.answer_column is None:
+            raise RewardFnError(
+                f"reward.funcs: the built-in {builtins[0]!r} grades against a reference answer, and the data has "
+                f"none (set data.answer_column to the column that holds it)"
+            )
+        funcs = load_reward_funcs(rc.funcs, rc.weights, answer_column=task.answer_column or "answer")
+    else:
+        if not getattr(task, "has_default_reward", True):
+            raise RewardFnError(
+                "reward.funcs: expected reward functions (--reward.funcs module:function ...): the data has no "
+                "answer column for the built-in math reward (answer, solution or reward_model.ground_truth; "
+                "data.answer_column names another)"
+            )
+        funcs = [per_sample_func(task.scorer, task.reward_range)]
+    return RewardRunner(funcs, timeout_s=cfg.task.reward_timeout_s, max_failing_steps=rc.max_failing_steps)
+
+
+def _nanmean_std(xs: Sequence[float]) -> Tuple[float, float]:
+    vals = [x for x in xs if not math.isnan(x)]
+    if not vals:
+        return math.nan, math.nan
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return m, sd
+
+
+def reward_metrics(batches: Sequence[RewardScores], group_ids: Sequence[Sequence[int]], prefix: str = "") -> Dict[str, float]:
+    """TRL's reward metrics over a step's batches: ``rewards/NAME/mean`` and ``/std`` (over the
+    completions each function scored), ``reward`` and ``reward_std`` (the weighted sum),
+    ``frac_reward_zero_std`` (the share of groups whose rewards are all equal), plus
+    ``rewards/NAME/failed`` (completions whose score failed)."""
+    if not batches:
+        return {}
+    out: Dict[str, float] = {}
+    for fi, name in enumerate(batches[0].names):
+        m, sd = _nanmean_std([v for b in batches for v in b.values[fi]])
+        out[f"{prefix}rewards/{name}/mean"] = m
+        out[f"{prefix}rewards/{name}/std"] = sd
+        out[f"{prefix}rewards/{name}/failed"] = float(sum(b.failed_per_func[fi] for b in batches))
+    total = [v for b in batches for v in b.total]
+    out[f"{prefix}reward"], out[f"{prefix}reward_std"] = _nanmean_std(total)
+    zero, groups = 0, 0
+    for b, gids in zip(batches, group_ids):
+        by: Dict[int, List[float]] = {}
+        for g, v in zip(gids, b.total):
+            by.setdefault(int(g), []).append(v)
+        for vals in by.values():
+            groups += 1
+            zero += int(max(vals) - min(vals) <= 1e-8 * max(1.0, abs(max(vals))))
+    if groups:
+        out[f"{prefix}frac_reward_zero_std"] = zero / groups
+    for b in batches:
+        out.update({prefix + k: v for k, v in b.extra.items()})
+    # a function that scored nothing has no mean: left out (metrics.jsonl holds JSON numbers only)
+    return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def completion_metrics(lengths: Sequence[int], clipped: Sequence[bool]) -> Dict[str, float]:
+    """TRL's completion metrics: ``completions/mean_length``, ``min_length``, ``max_length``,
+    ``clipped_ratio`` (the share that hit the generation budget without an EOS) and the same
+    lengths over the terminated ones."""
+    lengths = [int(x) for x in lengths]
+    if not lengths:
+        return {}
+    term = [n for n, c in zip(lengths, clipped) if not c] or [0]
+    return {
+        "completions/mean_length": sum(lengths) / len(lengths),
+        "completions/min_length": float(min(lengths)),
+        "completions/max_length": float(max(lengths)),
+        "completions/clipped_ratio": sum(bool(c) for c in clipped) / len(lengths),
+        "completions/mean_terminated_length": sum(term) / len(term),
+        "completions/min_terminated_length": float(min(term)),
+        "completions/max_terminated_length": float(max(term)),
+    }
