@@ -51,11 +51,12 @@ class Case:
     overrides: List[str] = field(default_factory=list)
     configs: Dict[str, dict] = field(default_factory=dict)
     changes_credit: bool = True  # the method must move credit away from GRPO's on these batches
+    trainer_mode: bool = True  # the script selects tokencredit's trainer mode (which logs the estimator's metrics)
 
 
 CRITIC = ["critic.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=4"]
 CASES = {
-    "tc_grpo": Case("estimators.sh", "grpo", {"METHOD": "grpo"}, changes_credit=False),
+    "tc_grpo": Case("estimators.sh", "grpo", {"METHOD": "grpo"}, changes_credit=False, trainer_mode=False),
     "taco": Case("taco.sh", "grpo+taco", configs={"taco": {"alpha": 0.01, "lam": 0.9}}),
     # H_target above the tiny model's entropy (about 1.8 nats), so that the gate is on and W, M act
     "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1", "+tokencredit.stare.H_target=3.0"],
@@ -192,9 +193,10 @@ def check_run(name: str, run: Run) -> None:
         else:
             expected, metrics = core.advantages, core.metrics
         torch.testing.assert_close(loss["advantages_out"], expected.float(), atol=1e-5, rtol=1e-4)
-        # 4. the method's own metrics reached verl's logger
+        # 4. the method's own metrics reached verl's logger (verl's stock trainer has no channel for
+        #    an estimator's metrics: only the trainer mode logs them)
         logged = row["data"]
-        names = [k for k in metrics if not k.startswith("diag/")]
+        names = [k for k in metrics if not k.startswith("diag/") and (case.trainer_mode or k.split("/")[0] != pipe.estimator.name)]
         missing = [k for k in names if f"tokencredit/{k}" not in logged and f"actor/tokencredit/{k}" not in logged]
         assert not missing, f"{name}: metrics {missing} not in verl's log (tokencredit keys: " \
                             f"{sorted(k for k in logged if 'tokencredit' in k)})"
