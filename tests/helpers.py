@@ -28,7 +28,7 @@ def make_batch(
     binary_rewards: bool = True,
     dtype=torch.float32,
     signals=("logprobs", "old_logprobs", "ref_logprobs", "entropy", "mode_prob", "hidden_residual", "oracle_logprobs", "values",
-             "token_ids"),
+             "token_ids", "planning_mask"),
 ) -> CreditBatch:
     """A valid batch whose token signals are mutually consistent (taken from real distributions).
 
@@ -72,6 +72,8 @@ def make_batch(
         kw["values"] = torch.rand(B, T + 1, generator=gen, dtype=torch.float64).to(dtype)
     if "token_ids" in signals:
         kw["token_ids"] = tokens  # the sampled tokens the other signals are of
+    if "planning_mask" in signals:
+        kw["planning_mask"] = (torch.rand(B, T, generator=gen) < 0.3).long()
     return CreditBatch(response_mask=mask, rewards=rewards, group_ids=group_ids, **kw)
 
 

@@ -59,6 +59,7 @@ _BASE = dict(
     mode_prob=[[0.5] * 4] * 2,
     hidden_residual=[[1.0] * 4] * 2,
     ref_logprobs=[[_L(0.5)] * 4] * 2,
+    planning_mask=[[0] * 4] * 2,
 )
 _CASES = {
     # a tail token (p = 1e-4 where H = 0.1: surprisal beyond the entropy by > log(1/alpha)) with
@@ -94,6 +95,18 @@ _CASES = {
     "entropy": (
         dict(entropy=[[3.0, 0.5, 0.5, 0.5], [0.5, 0.5, 3.0, 0.5]]),
         [[+1, -1, -1, -1], [-1, -1, +1, -1]],
+    ),
+    # a planning token (strategic gram) gets A + alpha |A|: more credit in the success, less
+    # blame in the failure; execution tokens untouched
+    "hicra": (
+        dict(planning_mask=[[1, 0, 0, 0], [0, 0, 0, 1]]),
+        [[+1, 0, 0, 0], [0, 0, 0, -1]],
+    ),
+    # at the first steps the pooling strength is 0 (delay): GTPO's surprisal weights, the
+    # surprising token gains, the others lose, whatever the sign of A
+    "sepa": (
+        dict(logprobs=[[_L(0.01), _L(0.5), _L(0.5), _L(0.5)], [_L(0.5), _L(0.5), _L(0.5), _L(0.01)]]),
+        [[+1, -1, -1, -1], [-1, -1, -1, +1]],
     ),
     "divergence": (
         dict(ref_logprobs=[[_L(0.5) - 2.0, _L(0.5) - 0.1, _L(0.5) - 0.1, _L(0.5) - 0.1],

@@ -23,6 +23,8 @@ oracle_logprobs    [B, T]     log-probs of y_t under the oracle-prompted (or tea
 values             [B, T + 1] critic values; values[:, t] = V(h_t), the state before token t
 token_ids          [B, T]     the sampled token ids y_t (integers >= 0 on valid positions;
                               an integer or a floating-point tensor: KTAE's token statistics)
+planning_mask      [B, T]     1 on planning tokens (strategic-gram matches of the decoded
+                              response, HICRA / SEPA), 0 on execution tokens
 =================  =========  ===========================================================
 """
 
@@ -53,7 +55,7 @@ TOKEN_SIGNALS = (
     "oracle_logprobs",
 )
 #: every optional signal a method may declare (token_ids: the rollout's own tokens, no model pass)
-SIGNALS = TOKEN_SIGNALS + ("values", "token_ids")
+SIGNALS = TOKEN_SIGNALS + ("values", "token_ids", "planning_mask")
 
 
 def _describe(x: object) -> str:
@@ -78,6 +80,7 @@ class CreditBatch:
     oracle_logprobs: Optional[Tensor] = None
     values: Optional[Tensor] = None
     token_ids: Optional[Tensor] = None
+    planning_mask: Optional[Tensor] = None
     # derived on construction, not passed by callers
     mask: Tensor = field(init=False, repr=False)
 
@@ -137,6 +140,14 @@ class CreditBatch:
                 raise CreditInputError(f"values: expected finite values on valid positions, got {v[idx].item()} at {idx}")
         if self.token_ids is not None:
             self._check_token_ids(self.token_ids, (B, T), bool_mask)
+        if self.planning_mask is not None:
+            pm = self.planning_mask
+            if not isinstance(pm, Tensor) or tuple(pm.shape) != (B, T):
+                raise CreditInputError(f"planning_mask: expected a tensor of shape {(B, T)}, got {_describe(pm)}")
+            badp = bool_mask & ~((pm == 0) | (pm == 1))
+            if badp.any():
+                idx = tuple(int(i) for i in badp.nonzero()[0])
+                raise CreditInputError(f"planning_mask: expected 0/1 on valid positions, got {pm[idx].item()!r} at {idx}")
         if self.hidden_residual is not None:
             neg = bool_mask & (self.hidden_residual < 0)
             if neg.any():

@@ -138,11 +138,21 @@ def check_rollouts(saved: Any, where: str = "rollouts") -> None:
 
 
 def _signals_of(saved: Dict[str, Any]) -> Dict[str, Any]:
-    """The saved signals; ``token_ids`` from the saved ``response_ids`` when the step did not
-    store them (the rollout's own tokens are in every rollouts file)."""
+    """The saved signals; ``token_ids`` from the saved ``response_ids`` and ``planning_mask``
+    from the saved decoded ``tokens`` when the step did not store them (both are in every
+    rollouts file)."""
     sig = {k: v for k, v in saved["signals"].items() if v is not None}
     if "token_ids" not in sig and saved.get("response_ids") is not None:
         sig["token_ids"] = torch.as_tensor(saved["response_ids"])
+    if "planning_mask" not in sig:  # HICRA / SEPA: strategic grams in the decoded tokens
+        from .methods.hicra import planning_mask_of
+
+        mask = torch.as_tensor(sig["response_mask"]).bool()
+        pm = torch.zeros(mask.shape, dtype=torch.long)
+        for b, row in enumerate(saved["tokens"]):
+            pos = mask[b].nonzero().squeeze(1)
+            pm[b, pos] = torch.tensor(planning_mask_of([str(t) for t in row]), dtype=torch.long)
+        sig["planning_mask"] = pm
     return sig
 
 

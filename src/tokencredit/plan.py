@@ -31,6 +31,9 @@ __all__ = ["SignalPlan", "PlanError", "plan_signals"]
 
 #: the signals of the policy's own no-grad pass
 POLICY_SIGNALS = ("logprobs", "entropy", "mode_prob")
+#: signals no trainer computes yet (a spec reading one is refused before any model loads);
+#: inspect and fidelity derive them from a rollouts file
+UNCOMPUTED_SIGNALS = {"planning_mask": "the strategic-gram planning tokens of the decoded response"}
 
 
 class PlanError(ValueError):
@@ -128,6 +131,13 @@ def plan_signals(
     met (an adapter-reading method without LoRA, a teacher-scored pass without a teacher).
     """
     signals = set(credit.required_signals)
+    for name, what in UNCOMPUTED_SIGNALS.items():
+        if name in signals:
+            who = [m.name for m in credit.methods if name in m.requires]
+            raise PlanError(
+                f"credit '{credit.name}': {', '.join(who)} reads {name} ({what}), which the trainers do not compute yet; "
+                f"expected a spec without it (replay it on saved rollouts: tokencredit inspect / fidelity), got {credit.name!r}"
+            )
     if kl:
         signals.add("ref_logprobs")
     oracle = critic = None
