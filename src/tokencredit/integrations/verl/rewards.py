@@ -1,0 +1,72 @@
+"""TRL-style reward functions in verl: a ``custom_reward_function`` that runs them.
+
+verl's reward managers call ``compute_score(data_source=, solution_str=, ground_truth=,
+extra_info=)`` once per response, with ``custom_reward_function.reward_kwargs`` merged in. This
+file's :func:`compute_score` runs the functions named in ``reward_kwargs.funcs`` (the same
+``module:function`` / ``file.py:function`` / built-in names as ``tokencredit train
+--reward.funcs``) on that one response, with TRL's arguments, and returns verl's dict form
+(``score``: the weighted sum; one entry per function, logged by verl as reward extra info)::
+
+    reward.custom_reward_function.path=$(python -c "import tokencredit.integrations.verl.rewards as m; print(m.__file__)")
+    reward.custom_reward_function.name=compute_score
+    +reward.custom_reward_function.reward_kwargs.funcs='[my_rewards:correct,my_rewards:brevity]'
+    +reward.custom_reward_function.reward_kwargs.weights='[1.0,0.1]'
+    +reward.custom_reward_function.reward_kwargs.answer_column=solution
+
+What a function receives: ``completions=[solution_str]``; the ground truth under
+``answer_column`` (default ``answer``) and as ``ground_truth``; ``data_source``; every key of the
+row's ``extra_info`` as a column; ``prompts=[None]`` and ``completion_ids=[None]``: verl does not
+pass the prompt or the response's token ids to ``compute_score`` (a function that needs them
+fails loudly, it is not given a wrong value); ``trainer_state=None``. A function returning None
+leaves itself out of the sum, as in TRL. verl bounds the call itself
+(``reward.reward_manager.compute_score_timeout``); an exception propagates to verl, as any
+``compute_score``'s does.
+
+verl loads this file by its path (``load_extern_object``), so it imports only ``tokencredit.rewards``
+(absolute imports), never the verl plugin package.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from tokencredit.rewards import RewardFnError, _checked, _resolve, load_reward_funcs
+
+__all__ = ["compute_score"]
+
+_CACHE: Dict[Tuple, List[Tuple[str, Any, float]]] = {}
+
+
+def _functions(funcs: Sequence[str], weights: Optional[Sequence[float]], answer_column: str):
+    key = (tuple(funcs), tuple(weights or ()), answer_column)
+    if key not in _CACHE:
+        if isinstance(funcs, str) or not funcs:
+            raise RewardFnError(f"reward_kwargs.funcs: expected a list of reward functions ('module:function' or a built-in), got {funcs!r}")
+        loaded = load_reward_funcs(list(funcs), list(weights or ()), answer_column=answer_column)
+        _CACHE[key] = [(f.name, _resolve(f.ref), f.weight) for f in loaded]
+    return _CACHE[key]
+
+
+def compute_score(data_source: Any = None, solution_str: str = "", ground_truth: Any = None, extra_info: Optional[dict] = None,
+                  *, funcs: Sequence[str] = (), weights: Optional[Sequence[float]] = None, answer_column: str = "answer",
+                  **_: Any) -> Dict[str, float]:
+    """verl's ``compute_score`` for one response: ``{"score": weighted sum, NAME: value, ...}``
+    (a value a function left out is NaN and not in the sum)."""
+    columns: Dict[str, Any] = {}
+    for k, v in dict(extra_info or {}).items():
+        columns[str(k)] = [v]
+    columns.update({answer_column: [ground_truth], "ground_truth": [ground_truth], "data_source": [data_source]})
+    out: Dict[str, float] = {}
+    total = 0.0
+    for name, fn, weight in _functions(funcs, weights, answer_column):
+        kwargs = {k: list(v) for k, v in columns.items()}
+        kwargs.update(prompts=[None], completions=[solution_str], completion_ids=[None], trainer_state=None,
+                      log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None)
+        (value,) = _checked(fn(**kwargs), 1)
+        if isinstance(value, tuple):  # not a finite real number
+            raise ValueError(f"reward {name}: {value[1]}")
+        out[name] = math.nan if value is None else float(value)
+        if value is not None:
+            total += weight * float(value)
+    return {"score": total, **out}
