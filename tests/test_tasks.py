@@ -264,3 +264,23 @@ def test_mix_holds_every_part():
     t = make_task("mix", n_train=40, n_eval=8)
     assert {e.id.split("-")[0] for e in t.train} == {"add1", "add2", "mul1", "word"}
     assert {e.id.split("-")[0] for e in t.eval} == {"add1", "add2", "mul1", "word"}
+
+
+# -- graders: math-verify for math, the numeric parser for the procedural tasks ------------------
+
+
+def test_math_verify_misreads_a_restated_expression():
+    """Why the procedural tasks keep the numeric final-answer parser: the model restates
+    expressions after its answer, and math-verify takes the last expression of a completion."""
+    from tokencredit.grading import math_verify_equal, numeric_reward
+
+    text = "The answer is 12. Check: 3 + 4 = 7"
+    assert not math_verify_equal("12", text)
+    assert numeric_reward(text, _ex("12")) == 1.0
+
+
+def test_dataset_tasks_grade_with_math_verify_only():
+    """gsm8k / math / own data: math-verify decides (no numeric parser first)."""
+    assert math_reward("The answer is 12. Check: 3 + 4 = 7", _ex("12")) == 0.0
+    assert math_reward("so \\boxed{0.5}", _ex("\\frac{1}{2}")) == 1.0
+    assert math_reward("She has 9*8=72 apples.", _ex("72")) == 1.0
