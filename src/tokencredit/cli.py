@@ -19,9 +19,10 @@ def _user_errors() -> tuple:
     from .config import ConfigError
     from .models import ModelError
     from .registry import UnknownMethodError
+    from .export import ExportError
     from .tasks import DatasetError, RewardFnError
 
-    return (ConfigError, CheckpointError, UnknownMethodError, DatasetError, RewardFnError, ModelError)
+    return (ConfigError, CheckpointError, UnknownMethodError, DatasetError, RewardFnError, ModelError, ExportError)
 
 
 class UserExit(SystemExit):
@@ -193,6 +194,16 @@ def _inspect(args: argparse.Namespace, rest: List[str]) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace, rest: List[str]) -> int:
+    from .export import export_run
+
+    if rest:
+        raise SystemExit(f"tokencredit export: unexpected arguments {rest}")
+    path = export_run(args.run, args.to, merge_lora=args.merge_lora, checkpoint=args.checkpoint)
+    print(f"exported to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokencredit", description="token-level credit assignment for LLM RL")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors (accepted anywhere on the line)")
@@ -202,12 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=lambda a, rest: _methods(a))
     t = sub.add_parser(
         "train",
-        help="train with a credit spec; other options are TrainConfig fields (see --help-config)",
+        help="train with a credit spec; other options are TrainConfig fields ('tokencredit train --help' or --help-config lists them)",
         add_help=False,
     )
     t.add_argument("--config", default=None, help="YAML file of TrainConfig fields (overridden by flags)")
     t.set_defaults(func=_train)
-    e = sub.add_parser("eval", help="greedy accuracy and mean@k of a run's latest checkpoint", add_help=False)
+    e = sub.add_parser(
+        "eval", help="greedy accuracy and mean@k of a run's latest checkpoint",
+        description="Evaluate RUN's newest intact checkpoint (--run), writing to --output-dir (default RUN-eval; RUN is "
+        "left unchanged); without --run, the model a config names, with TrainConfig fields as for 'tokencredit train' "
+        "('tokencredit train --help' lists them).",
+    )
     e.add_argument("--run", default=None, help="a run directory written by 'tokencredit train' (left unchanged)")
     e.add_argument("--output-dir", "--output_dir", dest="output_dir", default=None,
                    help="where the results go (default with --run: RUN-eval, next to the run)")
@@ -241,6 +257,19 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE", help="method configs for the replay, e.g. taco.lam=0.5")
     i.set_defaults(func=_inspect)
     # credit fidelity: every option is parsed by tokencredit.fidelity.main (see its --help)
+    x = sub.add_parser(
+        "export",
+        help="write a run's model as a from_pretrained folder (a checkpoint's weights in its base model)",
+        description="Write RUN's model (its newest intact checkpoint, or --checkpoint STEP) to DIR, a folder that "
+        "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load. A LoRA run gives its adapter "
+        "(recording its base model as a hub id or an absolute path), or with --merge-lora the merged model.",
+        allow_abbrev=False,
+    )
+    x.add_argument("run", metavar="RUN", help="a run folder written by 'tokencredit train'")
+    x.add_argument("--to", required=True, metavar="DIR", help="a new or empty folder")
+    x.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into the base model (a full model)")
+    x.add_argument("--checkpoint", type=int, default=None, metavar="STEP", help="the checkpoint's step (default: the newest intact one)")
+    x.set_defaults(func=_export)
     fd = sub.add_parser("fidelity", add_help=False, help="score every method's token credit against Monte Carlo true credit "
                         "(no argument: the bundled reference set); 'fidelity build RUN -o FILE' estimates it")
     fd.set_defaults(func=lambda a, rest: __import__("tokencredit.fidelity", fromlist=["main"]).main(rest))
@@ -260,6 +289,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    if argv[:1] == ["--help-config"]:  # every TrainConfig field with its default and help
+        argv = ["train", "--help"]
     args, rest = build_parser().parse_known_args(argv)
     try:
         with warnings.catch_warnings():

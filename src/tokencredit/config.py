@@ -152,6 +152,15 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+# YAML 1.2's floats: PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-6` would be
+# the string "1e-6"; this loader reads 1e-6, 3E+2 and 1.5e-3 as floats (1.0 and 0.5 as before)
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def _expanded_size_ok(value: Any) -> None:
     """Count the values of ``value`` as its users would see them (an alias counts each time it
     is used), stopping at :data:`YAML_MAX_VALUES`: the cost is bounded, whatever the document."""

@@ -133,6 +133,11 @@ class Trainer:
         from .rewards import runner_for
 
         self.rewards = runner_for(cfg, self.task)
+        for flag, module, extra in (("log.tensorboard", "tensorboard", "tensorboard"), ("log.wandb", "wandb", "wandb")):
+            import importlib.util
+
+            if getattr(cfg.log, flag.split(".")[1]) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"{flag}: needs the {module} package, which is not installed: pip install 'tokencredit[{extra}]'")
 
         # -- models ---------------------------------------------------------------------
         from .models import ValueHead, add_lora, check_chat_template, check_generation_budget, is_lora, load_frozen, resolve_model
@@ -790,6 +795,10 @@ class Trainer:
         p = Path(path) if path else self.out / "final"
         self.model.save_pretrained(p)
         self.tokenizer.save_pretrained(p)
+        if self.lora:  # the adapter records its base model as given (a hub id, or an absolute path)
+            from .export import record_base_model
+
+            record_base_model(p, self.cfg.model.name, self.cfg.model.cache_dir)
         if self.critic is not None:
             torch.save(self.critic.state_dict(), p / "value_head.pt")
         return p

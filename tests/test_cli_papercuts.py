@@ -1,0 +1,59 @@
+"""The small things that each cost a newcomer minutes (issue 19): `--help-config` exists,
+`eval --help` is eval's, `lr: 1e-6` in YAML is a float, a missing tensorboard is one line before
+any model loads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from tokencredit.cli import main
+from tokencredit.config import ConfigError, TrainConfig, load_config
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue() + err.getvalue()
+
+
+def test_help_config_lists_every_train_field():
+    code, text = _run(["--help-config"])
+    assert code == 0
+    for flag in ("--reward.funcs", "--data.path", "--data.prompt-column", "--optim.lr", "--credit-config.taco.lam"):
+        assert flag in text, flag
+    code, top = _run(["--help"])
+    assert "--help-config" in top  # the pointer in the top-level help leads somewhere
+
+
+def test_eval_help_is_evals():
+    code, text = _run(["eval", "--help"])
+    assert code == 0
+    assert "usage: tokencredit eval" in text and "--run RUN" in text and "tokencredit train [" not in text
+
+
+def test_yaml_exponent_floats_are_floats(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("optim:\n  lr: 1e-6\ncritic:\n  lr: 5E-4\n")
+    cfg = load_config(str(f), [])
+    assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float) and cfg.critic.lr == 5e-4
+
+
+def test_a_missing_tensorboard_is_one_line_before_any_model(tmp_path, monkeypatch):
+    import importlib.util
+
+    import tokencredit.models as models
+    from tokencredit.config import LogConfig
+    from tokencredit.trainer import Trainer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the error"))
+    with pytest.raises(ConfigError, match=r"log.tensorboard: needs the tensorboard package, which is not installed: pip install 'tokencredit\[tensorboard\]'"):
+        Trainer(TrainConfig(output_dir=str(tmp_path / "run"), log=LogConfig(tensorboard=True)))
