@@ -138,7 +138,8 @@ def batch_fingerprint(saved: Dict[str, Any]) -> str:
 
 
 def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M: int, budgets: Sequence[int], *,
-                         temperature: float, top_p: float = 1.0, share: bool = True) -> Tuple[List[List[List[int]]], int]:
+                         temperature: float, top_p: float = 1.0, share: bool = True,
+                         crn_keys: Optional[Sequence[Tuple[int, int]]] = None, crn_seed: int = 0) -> Tuple[List[List[List[int]]], int]:
     """``M`` continuations of every prefix (token ids), each cut at its first stop token
     (kept) and at its own ``budgets[i]`` new tokens. Returns ``(conts, n_generated)`` with
     ``conts[i][m]`` a list of ids and ``n_generated`` the continuation tokens kept.
@@ -146,7 +147,9 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
     With ``share`` each distinct prefix but its last token runs once and its KV cache is
     indexed out to its M rows (what :class:`~tokencredit.rollout.HFRollout` does for prompts);
     without it ``generate`` prefills every row itself (the baseline of the throughput figure).
-    Sampling uses the global torch RNG."""
+    Sampling uses the global torch RNG, or with ``crn_keys`` (the ``(row, position)`` of each
+    prefix) common random numbers shared by the continuations of neighbouring prefixes
+    (:mod:`tokencredit.fidelity_crn`)."""
     from transformers import GenerationConfig
 
     from .forward import prompt_cache
@@ -166,7 +169,13 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
         ids[i, L - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
         att[i, L - len(p):] = 1
     inverse = torch.arange(U).repeat_interleave(M)
-    greedy = temperature == 0
+    processors = [_finite_check_processor()]
+    if crn_keys is not None:
+        from .fidelity_crn import CRNProcessor, check_keys, crn_rows
+
+        check_keys(crn_keys, U)
+        processors.append(CRNProcessor(crn_rows(crn_keys, M), L, seed=crn_seed, temperature=temperature, top_p=top_p))
+    greedy = temperature == 0 or crn_keys is not None  # CRN: argmax of the Gumbel-perturbed logits
     sampling = {} if greedy else {"temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
     gen_cfg = GenerationConfig(max_new_tokens=int(max(budgets)), do_sample=not greedy, **sampling,
                                bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=pad)
@@ -181,7 +190,7 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
                                         torch.arange(U, device=device), inverse.to(device))
                 extra["past_key_values"] = cache
             out = model.generate(input_ids=rows_ids, attention_mask=rows_att, generation_config=gen_cfg,
-                                 logits_processor=[_finite_check_processor()], **extra)
+                                 logits_processor=processors, **extra)
     finally:
         model.train(was_training)
     new = out[:, L:].cpu() if torch.is_tensor(out) else out.sequences[:, L:].cpu()
@@ -328,7 +337,8 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
                     rows_per_batch: int = 128, seed: int = 0, policy: str = "", progress: bool = True,
                     check: bool = True, baseline_batches: int = 0, max_seconds: Optional[float] = None,
                     rows: Optional[Sequence[int]] = None,
-                    sampler: Optional[Callable[..., Tuple[List[List[List[int]]], int]]] = None) -> Dict[str, Any]:
+                    sampler: Optional[Callable[..., Tuple[List[List[List[int]]], int]]] = None,
+                    crn: bool = False) -> Dict[str, Any]:
     """Estimate ``V(h_t)`` at every ``stride``-th position of every response; write ``out``.
 
     ``reward(text, row) -> (reward, failure or None)`` scores the full response text of row
@@ -340,7 +350,9 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     (e.g. the groups with mixed outcomes; the others stay NaN, and a later build with more rows
     extends the same file). ``sampler(prefixes, M, budgets)`` replaces
     :func:`sample_continuations` (a policy that is not a transformers model; tests); ``model`` is
-    then unused. Returns the file's content."""
+    then unused; with ``crn`` it is called with ``keys=[(row, position), ...]`` of its prefixes.
+    ``crn``: common random numbers for the continuations of neighbouring prefixes
+    (:mod:`tokencredit.fidelity_crn`; a setting of the file). Returns the file's content."""
     from .inspector import check_rollouts
 
     check_rollouts(saved)
@@ -352,7 +364,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     out = Path(out)
     fp = batch_fingerprint(saved)
     settings = {"M": int(M), "stride": int(stride), "temperature": float(temperature), "top_p": float(top_p),
-                "max_new_tokens": int(max_new_tokens), "seed": int(seed)}
+                "max_new_tokens": int(max_new_tokens), "seed": int(seed), **({"crn": True} if crn else {})}
     chosen = _check_rows(rows, len(_lengths(saved)))
     rows = response_rows(saved)
     B = len(rows)
@@ -371,8 +383,11 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
                  "samples": torch.full((B, T, M), float("nan")), "cont_tokens": torch.zeros((B, T), dtype=torch.long),
                  "build": {"seconds": 0.0, "cont_tokens": 0, "baseline": None, "failed": {"error": 0, "timeout": 0}}}
     if sampler is None:
-        def sampler(prefixes, M, budgets, share=True):
-            return sample_continuations(model, tokenizer, prefixes, M, budgets, temperature=temperature, top_p=top_p, share=share)
+        def sampler(prefixes, M, budgets, share=True, keys=None):
+            return sample_continuations(model, tokenizer, prefixes, M, budgets, temperature=temperature, top_p=top_p, share=share,
+                                        crn_keys=keys, crn_seed=int(seed))
+    draw = (lambda prefixes, M, budgets, keys, share=True: sampler(prefixes, M, budgets, share=share, keys=keys)) if crn else (
+        lambda prefixes, M, budgets, keys, share=True: sampler(prefixes, M, budgets, share=share))
     if check:
         state["build"]["policy_logprob_diff"] = check_policy(model, tokenizer, saved, temperature)
     prompts = _prompt_rows(saved, tokenizer)
@@ -410,13 +425,13 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(seed) * 1_000_003 + b0 * 4099 + t0)
                 t1 = time.perf_counter()
-                conts, n_gen = sampler(prefixes, M, budgets)
+                conts, n_gen = draw(prefixes, M, budgets, chunk)
                 dt = time.perf_counter() - t1
             if ci < baseline_batches:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(int(seed) * 1_000_003 + b0 * 4099 + t0)
                     t2 = time.perf_counter()
-                    _, n_plain = sampler(prefixes, M, budgets, share=False)
+                    _, n_plain = draw(prefixes, M, budgets, chunk, share=False)
                     dp = time.perf_counter() - t2
                 bl = state["build"].get("baseline") or {"shared_tokens": 0, "shared_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "batches": 0}
                 bl["shared_tokens"] += n_gen
@@ -1140,6 +1155,8 @@ def _build_main(argv: List[str]) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
+    p.add_argument("--crn", action="store_true", help="common random numbers: the continuations of neighbouring prefixes "
+                   "share their sampling noise, so V(h_t) and V(h_t+1) are estimated with correlated errors (docs/fidelity.md)")
     g = p.add_argument_group("sampling a batch (no ROLLOUTS): the trainer's own step at learning rate 0, every signal kept")
     g.add_argument("--model", default=None, help="model name or path (default with --task: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--task", default=None, help="task name (e.g. chain, mul1)")
@@ -1249,7 +1266,7 @@ def _estimate(a, cfg, model, tok, saved: Dict[str, Any], policy: str) -> int:
 
     build_estimates(saved, model, tok, reward, a.output, M=a.M, stride=a.stride, temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens, rows_per_batch=a.rows_per_batch,
-                    seed=a.seed, policy=policy, rows=_parse_rows(a.rows),
+                    seed=a.seed, policy=policy, rows=_parse_rows(a.rows), crn=a.crn,
                     max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
     print(f"estimates written to {a.output}")
     return 0
