@@ -59,7 +59,7 @@ CASES = {
     "tc_grpo": Case("estimators.sh", "grpo", {"METHOD": "grpo"}, changes_credit=False, trainer_mode=False),
     "taco": Case("taco.sh", "grpo+taco", configs={"taco": {"alpha": 0.01, "lam": 0.9}}),
     # H_target above the tiny model's entropy (about 1.8 nats), so that the gate is on and W, M act
-    "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1", "+tokencredit.stare.H_target=3.0"],
+    "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1", "tokencredit.stare.H_target=3.0"],
                   configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}}),
     "acpo": Case("worker.sh", "grpo+acpo", {"METHOD": "acpo"}),
     "arca": Case("worker.sh", "grpo+arca", {"METHOD": "arca"}),
