@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -396,3 +397,24 @@ def test_answer_column_name_is_configurable(tmp_path):
     )
     trainer.train()
     assert trainer.last_credit_batch.oracle_logprobs is not None
+
+
+def test_a_trl_run_saves_rollouts_that_inspect_reads(tmp_path):
+    """With each checkpoint the last training batch is written as eval/rollouts_step_*.pt, the
+    own trainer's format: `tokencredit inspect` replays it with the run's configs and state."""
+    from tokencredit.inspector import load_rollouts, replay, write_page
+
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    args = _args(tmp_path, save_strategy="steps", save_steps=2, max_steps=2)
+    tr = TokenCreditGRPOTrainer(model=model, processing_class=tok, reward_funcs=RewardLog(), args=args,
+                                train_dataset=_dataset(), credit="grpo+taco", credit_config={"taco": {"lam": 0.5}})
+    tr.train()
+    path = tmp_path / "out" / "eval" / "rollouts_step_00000002.pt"
+    saved = load_rollouts(tmp_path / "out")  # a run folder: its newest rollouts file
+    assert saved["credit"] == "grpo+taco" and saved["credit_configs"]["taco"]["lam"] == 0.5
+    assert torch.equal(saved["advantages"], tr.last_credit_output.advantages.cpu())
+    assert saved["questions"][0].endswith("=") and len(saved["texts"]) == saved["advantages"].shape[0]
+    insp = replay(saved, ["grpo+taco"], include_saved=False)  # with the run's lam 0.5
+    assert torch.allclose(insp.views[0].advantages, saved["advantages"], atol=1e-6)
+    page = write_page(str(path), str(tmp_path / "page.html"), methods="grpo+taco")
+    assert "the run's own method configs" in Path(page).read_text()

@@ -492,6 +492,14 @@ _JS = r"""
 """
 
 
+def _replay_wording(saved: Dict[str, Any]) -> str:
+    """What the replays were computed with: the run's own method configs and state when the file
+    carries them (the trainer's), else the methods' defaults."""
+    configs = "the run's own method configs" if saved.get("credit_configs") else "default method configs"
+    state = "the run's method state" if saved.get("credit_state") else "a fresh method state"
+    return f"{configs} and {state}"
+
+
 def render_html(saved: Dict[str, Any], insp: Inspection, *, title: Optional[str] = None) -> str:
     """The page as a string: inline CSS and JS, data embedded as JSON, no external resource.
     Tokens are rendered in HTML coloured by the first method; the script recolours them when
@@ -509,7 +517,7 @@ def render_html(saved: Dict[str, Any], insp: Inspection, *, title: Optional[str]
         f"<h1>{esc(title)}</h1>",
         f'<div class="meta">{len(data["rows"])} responses · trained with <code>{esc(saved.get("credit", "?"))}</code> · '
         f'signals in the batch: <code>{esc(", ".join(data["available"]) or "none")}</code> · '
-        "replays use default method configs and a fresh method state</div>",
+        f"replays use {_replay_wording(saved)}</div>",
         '<div id="controls">',
     ]
     if data["methods"]:

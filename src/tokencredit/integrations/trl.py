@@ -348,10 +348,58 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         self._replace_logged_advantages(res.advantages, batch.mask)
         self.last_credit_batch = batch
         self.last_credit_output = res
+        if mode == "train":  # what `tokencredit inspect` replays (written with each checkpoint)
+            self._tc_last_rollouts = self._rollouts_record(out, inputs, batch, res)
         return out
+
+    def _rollouts_record(self, out, inputs, batch, res) -> Dict[str, Any]:
+        """The training batch in the format of the own trainer's ``eval/rollouts_step_*.pt``
+        (``tokencredit.inspector``): signals, credit, tokens, texts, questions, method configs
+        and state."""
+        import copy
+
+        ids = self._gather_rows(out["completion_ids"], float(self._tokenizer.pad_token_id or 0)).long().cpu()
+        mask = batch.mask.bool().cpu()
+        questions = []
+        for x in inputs:
+            q = x.get(self.prompt_column, x.get("prompt"))
+            questions.append(_last_user_text(q, 0) if isinstance(q, list) else str(q))
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            questions = gather_object(questions)
+        decode = self._tokenizer.decode
+        return {
+            "credit": self.credit.name,
+            "credit_configs": {k: dataclasses.asdict(c) for k, c in self.credit.configs.items()},
+            "credit_state": copy.deepcopy(self.credit.state_dict()),
+            "step": int(self.state.global_step),
+            "signals": {k: v.detach().cpu() for k, v in batch.to_dict().items() if isinstance(v, torch.Tensor)},
+            "advantages": res.advantages.detach().cpu(),
+            "token_weights": res.token_weights.detach().cpu() if res.token_weights is not None else None,
+            "response_ids": ids,
+            "tokens": [[decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, mask)],
+            "texts": [decode([int(t) for t, m in zip(row, mrow) if m], skip_special_tokens=True) for row, mrow in zip(ids, mask)],
+            "questions": questions,
+        }
+
+    def save_rollouts(self, path: Optional[str] = None) -> Optional[str]:
+        """Write the last training batch for ``tokencredit inspect`` (default
+        ``OUTPUT_DIR/eval/rollouts_step_XXXXXXXX.pt``); done with every checkpoint. None when no
+        training batch was seen yet."""
+        record = getattr(self, "_tc_last_rollouts", None)
+        if record is None or not self.accelerator.is_main_process:
+            return None
+        if path is None:
+            folder = os.path.join(self.args.output_dir, "eval")
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"rollouts_step_{self.state.global_step:08d}.pt")
+        torch.save(record, path)
+        return path
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        self.save_rollouts()
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             payload = {"spec": self.credit.name, "state": _to_json(self.credit.state_dict())}
