@@ -19,9 +19,10 @@ import re
 import signal
 import threading
 from decimal import Decimal, InvalidOperation
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = [
+    "BUILTINS",
     "RewardValueError",
     "answers_match",
     "check_reward",
@@ -30,6 +31,8 @@ __all__ = [
     "math_verify_equal",
     "numeric_reward",
     "gold_answer",
+    "math_accuracy",
+    "numeric_accuracy",
     "reference_answer",
 ]
 
@@ -234,3 +237,52 @@ def gold_answer(value: Any) -> Optional[str]:
     if not isinstance(value, str) or not value.strip():
         return None
     return reference_answer({"solution": value} if "\\boxed" in value else {"answer": value})
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in reward functions (TRL's contract: tokencredit.rewards runs them, --reward.funcs math numeric)
+# ---------------------------------------------------------------------------------------------
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: the string, or the content of a conversational completion's last message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def math_accuracy(completions, answer_column: str = "answer", **kwargs) -> List[Optional[float]]:
+    """Built-in ``math``: 1.0 when math-verify finds the completion's answer equal to the row's
+    reference (the column ``answer_column``), else 0.0; None for a row without a reference."""
+    golds = kwargs.get(answer_column)
+    if golds is None:
+        raise KeyError(f"built-in reward 'math' reads the column {answer_column!r}, which the rows do not have "
+                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
+    out: List[Optional[float]] = []
+    for c, g in zip(completions, golds):
+        gold = gold_answer(g)
+        out.append(None if gold is None else (1.0 if math_verify_equal(gold, _text(c)) else 0.0))
+    return out
+
+
+def numeric_accuracy(completions, answer_column: str = "answer", **kwargs) -> List[Optional[float]]:
+    """Built-in ``numeric``: 1.0 when the completion's final answer
+    (:func:`~tokencredit.grading.extract_final_answer`) equals the reference numerically."""
+    golds = kwargs.get(answer_column)
+    if golds is None:
+        raise KeyError(f"built-in reward 'numeric' reads the column {answer_column!r}, which the rows do not have "
+                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
+    out: List[Optional[float]] = []
+    for c, g in zip(completions, golds):
+        gold = gold_answer(g)
+        out.append(None if gold is None else (1.0 if answers_match(extract_final_answer(_text(c)), gold) else 0.0))
+    return out
+
+
+#: built-in reward names -> TRL-contract functions (the answer column is bound when loaded)
+BUILTINS: Dict[str, Callable[..., List[Optional[float]]]] = {"math": math_accuracy, "numeric": numeric_accuracy}
+
+#: keyword arguments the caller adds to the row's columns (TRL's names)
+_TRL_EXTRA_KWARGS = ("trainer_state", "log_metric", "log_extra")

@@ -54,14 +54,18 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .grading import (
+    _TRL_EXTRA_KWARGS,  # noqa: F401 (the keyword arguments the caller adds)
+    BUILTINS,
     RewardValueError,
-    answers_match,
+    _text,
     check_reward,
-    extract_final_answer,
-    gold_answer,
+    gold_answer,  # noqa: F401
+    math_accuracy,
     math_reward,
     math_verify_equal,
+    numeric_accuracy,
 )
+from .reward_metrics import completion_metrics, reward_metrics  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -94,55 +98,6 @@ class RewardFnError(ValueError):
 
 class RewardFailure(RewardFnError):
     """A reward function failed on every completion of several consecutive steps."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Built-in reward functions (TRL contract)
-# ---------------------------------------------------------------------------------------------
-
-
-def _text(completion: Any) -> str:
-    """A completion's text: the string, or the content of a conversational completion's last message."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    return str(completion)
-
-
-def math_accuracy(completions, answer_column: str = "answer", **kwargs) -> List[Optional[float]]:
-    """Built-in ``math``: 1.0 when math-verify finds the completion's answer equal to the row's
-    reference (the column ``answer_column``), else 0.0; None for a row without a reference."""
-    golds = kwargs.get(answer_column)
-    if golds is None:
-        raise KeyError(f"built-in reward 'math' reads the column {answer_column!r}, which the rows do not have "
-                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
-    out: List[Optional[float]] = []
-    for c, g in zip(completions, golds):
-        gold = gold_answer(g)
-        out.append(None if gold is None else (1.0 if math_verify_equal(gold, _text(c)) else 0.0))
-    return out
-
-
-def numeric_accuracy(completions, answer_column: str = "answer", **kwargs) -> List[Optional[float]]:
-    """Built-in ``numeric``: 1.0 when the completion's final answer
-    (:func:`~tokencredit.grading.extract_final_answer`) equals the reference numerically."""
-    golds = kwargs.get(answer_column)
-    if golds is None:
-        raise KeyError(f"built-in reward 'numeric' reads the column {answer_column!r}, which the rows do not have "
-                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
-    out: List[Optional[float]] = []
-    for c, g in zip(completions, golds):
-        gold = gold_answer(g)
-        out.append(None if gold is None else (1.0 if answers_match(extract_final_answer(_text(c)), gold) else 0.0))
-    return out
-
-
-#: built-in reward names -> TRL-contract functions (the answer column is bound when loaded)
-BUILTINS: Dict[str, Callable[..., List[Optional[float]]]] = {"math": math_accuracy, "numeric": numeric_accuracy}
-
-#: keyword arguments the caller adds to the row's columns (TRL's names)
-_TRL_EXTRA_KWARGS = ("trainer_state", "log_metric", "log_extra")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,62 +597,3 @@ def runner_for(cfg: Any, task: Any) -> RewardRunner:
             )
         funcs = [per_sample_func(task.scorer, task.reward_range)]
     return RewardRunner(funcs, timeout_s=cfg.task.reward_timeout_s, max_failing_steps=rc.max_failing_steps)
-
-
-def _nanmean_std(xs: Sequence[float]) -> Tuple[float, float]:
-    vals = [x for x in xs if not math.isnan(x)]
-    if not vals:
-        return math.nan, math.nan
-    m = sum(vals) / len(vals)
-    sd = math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-    return m, sd
-
-
-def reward_metrics(batches: Sequence[RewardScores], group_ids: Sequence[Sequence[int]], prefix: str = "") -> Dict[str, float]:
-    """TRL's reward metrics over a step's batches: ``rewards/NAME/mean`` and ``/std`` (over the
-    completions each function scored), ``reward`` and ``reward_std`` (the weighted sum),
-    ``frac_reward_zero_std`` (the share of groups whose rewards are all equal), plus
-    ``rewards/NAME/failed`` (completions whose score failed)."""
-    if not batches:
-        return {}
-    out: Dict[str, float] = {}
-    for fi, name in enumerate(batches[0].names):
-        m, sd = _nanmean_std([v for b in batches for v in b.values[fi]])
-        out[f"{prefix}rewards/{name}/mean"] = m
-        out[f"{prefix}rewards/{name}/std"] = sd
-        out[f"{prefix}rewards/{name}/failed"] = float(sum(b.failed_per_func[fi] for b in batches))
-    total = [v for b in batches for v in b.total]
-    out[f"{prefix}reward"], out[f"{prefix}reward_std"] = _nanmean_std(total)
-    zero, groups = 0, 0
-    for b, gids in zip(batches, group_ids):
-        by: Dict[int, List[float]] = {}
-        for g, v in zip(gids, b.total):
-            by.setdefault(int(g), []).append(v)
-        for vals in by.values():
-            groups += 1
-            zero += int(max(vals) - min(vals) <= 1e-8 * max(1.0, abs(max(vals))))
-    if groups:
-        out[f"{prefix}frac_reward_zero_std"] = zero / groups
-    for b in batches:
-        out.update({prefix + k: v for k, v in b.extra.items()})
-    # a function that scored nothing has no mean: left out (metrics.jsonl holds JSON numbers only)
-    return {k: v for k, v in out.items() if not math.isnan(v)}
-
-
-def completion_metrics(lengths: Sequence[int], clipped: Sequence[bool]) -> Dict[str, float]:
-    """TRL's completion metrics: ``completions/mean_length``, ``min_length``, ``max_length``,
-    ``clipped_ratio`` (the share that hit the generation budget without an EOS) and the same
-    lengths over the terminated ones."""
-    lengths = [int(x) for x in lengths]
-    if not lengths:
-        return {}
-    term = [n for n, c in zip(lengths, clipped) if not c] or [0]
-    return {
-        "completions/mean_length": sum(lengths) / len(lengths),
-        "completions/min_length": float(min(lengths)),
-        "completions/max_length": float(max(lengths)),
-        "completions/clipped_ratio": sum(bool(c) for c in clipped) / len(lengths),
-        "completions/mean_terminated_length": sum(term) / len(term),
-        "completions/min_terminated_length": float(min(term)),
-        "completions/max_terminated_length": float(max(term)),
-    }

@@ -383,7 +383,7 @@ class Trainer:
             "rollout/rounds": float(col["rounds"]),
         }
         # TRL's names: rewards/NAME/mean|std, reward, reward_std, frac_reward_zero_std, completions/*
-        from .rewards import completion_metrics, reward_metrics
+        from .reward_metrics import completion_metrics, reward_metrics
 
         parts = col["parts"]
         metrics.update(reward_metrics([p["scores"] for p in parts], [p["rb"].prompt_index.tolist() for p in parts]))
@@ -538,7 +538,7 @@ class Trainer:
         worker, ``task.reward_timeout_s`` per completion); a failed value is left out (0 when it was
         the only one) and counted in ``eval/failed_error`` / ``eval/failed_timeout``. With several
         reward functions, each one's ``eval/rewards/NAME/mean`` and ``/std`` too."""
-        from .rewards import reward_metrics
+        from .reward_metrics import reward_metrics
 
         ex = self.task.eval
         if not ex:  # never report an accuracy of an empty split
