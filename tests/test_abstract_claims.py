@@ -152,3 +152,43 @@ def test_pact_rloo_matches_the_expected_gradient_of_token_credit(eos, K):
     torch.testing.assert_close(credit, exact, atol=1e-12, rtol=0)
     torch.testing.assert_close(rloo, credit, atol=1e-12, rtol=0)
     assert float(exact.abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["fixed_length", "eos_padding"])
+def test_pact_ideal_opd_teacher_is_an_implicit_critic(eos):
+    """PACT (abstract): "an ideal teacher in OPD acts as an implicit critic, yielding an expected
+    policy gradient proportional to that induced by token-level credit". The ideal teacher is
+    the success-conditioned policy pi*(y | h) = pi(y | h) V(h y) / V(h); the `opd` method's reward
+    with it is e = log pi* - log pi = log V(h y) - log V(h). Our reading, checked per state h by
+    enumeration: the teacher's likelihood ratio is the critic's credit scaled by the state,
+    pi*/pi - 1 = c / V(h), so the expected gradient of that ratio reward is exactly the token
+    credit's, times 1 / V(h) > 0 (proportional, state by state); OPD's log reward is its first
+    order (log(1 + x) = x + O(x^2)), within |log(1 + x) - x| of it in every state."""
+    from tokencredit.methods.opd import OPDConfig, opd
+
+    world = TabularWorld(eos=eos, seed=1)
+    index = _params(world)
+    for h in world.pi:
+        if world.V(h) <= 0:
+            continue
+        ys = list(range(VOCAB))
+        Vc = [world.V(h + (y,)) for y in ys]
+        lp = torch.tensor([[math.log(world.pi[h][y])] for y in ys], dtype=torch.float64)
+        orc = torch.tensor([[math.log(world.pi[h][y]) + math.log(max(v, 1e-300)) - math.log(world.V(h))] for y, v in zip(ys, Vc)],
+                           dtype=torch.float64)
+        batch = CreditBatch(response_mask=torch.ones(VOCAB, 1), rewards=torch.zeros(VOCAB, dtype=torch.float64),
+                            group_ids=torch.zeros(VOCAB, dtype=torch.long), logprobs=lp, oracle_logprobs=orc)
+        e = opd(batch, OPDConfig()).advantages[:, 0]
+        pi = torch.tensor(world.pi[h], dtype=torch.float64)
+        c = torch.tensor(Vc, dtype=torch.float64) - world.V(h)
+        torch.testing.assert_close(torch.exp(e) - 1, c / world.V(h), atol=1e-12, rtol=0)  # the ratio is the credit / V
+        scores = torch.stack([_score(world, index, h, y) for y in ys])
+        g_c = (pi * c) @ scores
+        g_ratio = (pi * (torch.exp(e) - 1)) @ scores
+        torch.testing.assert_close(g_ratio, g_c / world.V(h), atol=1e-12, rtol=0)
+        g_log = (pi * e.clamp_min(-50.0)) @ scores
+        finite = [i for i, v in enumerate(Vc) if v > 0]
+        x = (c / world.V(h))[finite]
+        bound = float((pi[finite] * (torch.log1p(x) - x).abs() * scores[finite].norm(dim=1)).sum())
+        if len(finite) == VOCAB:
+            assert float((g_log - g_ratio).norm()) <= bound + 1e-12
