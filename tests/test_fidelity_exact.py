@@ -96,3 +96,12 @@ def test_a_digit_that_is_not_one_token_is_a_one_line_error(tiny):
 
     with pytest.raises(FidelityError, match=r"vocabulary: expected '12' to be one token"):
         digit_vocabulary(tok, ["1", "12"])
+
+
+def test_build_exact_refuses_what_it_cannot_honour_in_one_line(tmp_path):
+    from tokencredit.fidelity import main
+
+    with pytest.raises(SystemExit, match=r"^tokencredit fidelity build: --exact: expected --task .*got ROLLOUTS$"):
+        main(["build", str(tmp_path), "-o", str(tmp_path / "x.pt"), "--exact"])
+    with pytest.raises(SystemExit, match=r"^tokencredit fidelity build: --exact: expected no --lora, --rows or --crn"):
+        main(["build", "--task", "mul1", "-o", str(tmp_path / "x.pt"), "--exact", "--crn"])

@@ -1157,6 +1157,8 @@ def _build_main(argv: List[str]) -> int:
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
     p.add_argument("--crn", action="store_true", help="common random numbers: the continuations of neighbouring prefixes "
                    "share their sampling noise, so V(h_t) and V(h_t+1) are estimated with correlated errors (docs/fidelity.md)")
+    p.add_argument("--exact", action="store_true", help="the exact tier (with --task): a batch sampled from the model restricted "
+                   "to the digits and its end token, V by enumerating every continuation (docs/fidelity.md)")
     g = p.add_argument_group("sampling a batch (no ROLLOUTS): the trainer's own step at learning rate 0, every signal kept")
     g.add_argument("--model", default=None, help="model name or path (default with --task: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--task", default=None, help="task name (e.g. chain, mul1)")
@@ -1174,6 +1176,10 @@ def _build_main(argv: List[str]) -> int:
                                 f"{'both' if a.task else 'neither'}")
         if a.rollouts is not None and a.model is not None:
             raise FidelityError("--model: the policy of a run's rollouts is the run's own; expected no --model with ROLLOUTS")
+        if a.exact:
+            from .fidelity_exact import build_from_task as build_exact
+
+            return build_exact(a)
         return _build_from_run(a) if a.rollouts is not None else _build_from_task(a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"tokencredit fidelity build: {e}") from None

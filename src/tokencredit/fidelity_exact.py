@@ -208,3 +208,40 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
     return {"format": FORMAT, "fingerprint": batch_fingerprint(saved), "settings": settings, "policy": policy,
             "rollouts": saved, "samples": samples_t, "cont_tokens": torch.zeros(B, T, dtype=torch.long),
             "build": {"exact_nodes": n_nodes, "vocabulary": [int(a) for a in pol.allowed]}}
+
+
+def build_from_task(a) -> int:
+    """``tokencredit fidelity build --task T --exact -o FILE``: the task's first ``--prompts``
+    training examples, ``--samples`` responses each from the model restricted to the digits and
+    its end token, exact V; written to ``a.output``."""
+    import time
+    from pathlib import Path
+
+    from .fidelity import FidelityError, _atomic_save, format_table, score
+    from .models import EMBEDDED, load_frozen
+    from .tasks import make_task, score_safely
+
+    if a.rollouts is not None or a.task is None:
+        raise FidelityError("--exact: expected --task (the exact tier samples its own batch from the restricted policy), got ROLLOUTS")
+    if a.lora or a.rows or a.crn:
+        raise FidelityError("--exact: expected no --lora, --rows or --crn (every position of every response is exact)")
+    if a.threads:
+        torch.set_num_threads(int(a.threads))
+    task = make_task(a.task, seed=a.seed)
+    examples = list(task.train)[: a.prompts]
+    name = a.model or EMBEDDED
+    model, tok = load_frozen(name, field="--model")
+    t0 = time.perf_counter()
+
+    def reward(text, ex):
+        r, _ = score_safely(task.reward, text, ex, 5.0)
+        return r
+
+    est = exact_estimates(model, tok, examples, reward, samples=a.samples, max_new_tokens=a.max_new_tokens,
+                          temperature=a.temperature, seed=a.seed,
+                          policy=f"{name} restricted to the digits and its end token, T = {a.temperature} (exact tier)")
+    est["build"]["seconds"] = time.perf_counter() - t0
+    _atomic_save(est, Path(a.output))
+    print(format_table(score(est)))
+    print(f"exact estimates written to {a.output} ({est['build']['exact_nodes']} nodes, {est['build']['seconds']:.0f} s)")
+    return 0
