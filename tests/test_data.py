@@ -140,3 +140,15 @@ def test_own_data_without_an_answer_needs_reward_funcs(tmp_path):
         Trainer(cfg)
     task = make_data_task(cfg.data, n_eval=1)
     assert task.answer_column is None and not task.has_default_reward
+
+
+def test_a_config_from_before_the_data_and_reward_sections_matches_their_defaults():
+    """A run written before `data` / `reward` existed trained with their defaults: --resume and
+    compare recognise it; a changed reward setting is still a difference."""
+    from tokencredit.config import config_diff, config_to_dict
+
+    new = json.loads(json.dumps(config_to_dict(TrainConfig())))
+    old = {k: v for k, v in new.items() if k not in ("data", "reward")}
+    assert config_diff(old, new) == []
+    changed = dict(new, reward=dict(new["reward"], funcs=["math"]))
+    assert config_diff(old, changed) == ["reward.funcs: [] -> ['math']"]

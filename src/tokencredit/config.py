@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -834,6 +835,10 @@ def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANG
     a config written before the section existed has none) reads as that method's defaults."""
     if not prefix and isinstance(saved, dict) and isinstance(new, dict):
         saved, new = _same_methods(saved, new)
+        # a config written before the data / reward sections existed trained with their defaults
+        for name, cls in (("data", DataConfig), ("reward", RewardConfig)):
+            if name not in saved and name in new:
+                saved = dict(saved, **{name: json.loads(json.dumps(dataclasses.asdict(cls())))})
     diffs = []
     for k in sorted(set(saved) | set(new)):
         if f"{prefix}{k}" in ignore:
