@@ -52,12 +52,15 @@ class Case:
     configs: Dict[str, dict] = field(default_factory=dict)
     changes_credit: bool = True  # the method must move credit away from GRPO's on these batches
     trainer_mode: bool = True  # the script selects tokencredit's trainer mode (which logs the estimator's metrics)
+    ranks: int = 1  # actor ranks (Ray "GPU" slots on the CPU, one FSDP worker process each)
 
 
 CRITIC = ["critic.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=4"]
 CASES = {
     "tc_grpo": Case("estimators.sh", "grpo", {"METHOD": "grpo"}, changes_credit=False, trainer_mode=False),
-    "taco": Case("taco.sh", "grpo+taco", configs={"taco": {"alpha": 0.01, "lam": 0.9}}),
+    # alpha 0.2 (the paper's 0.01 puts 1-3% of the tiny model's tokens in the tail, and in some
+    # batches none of them has positive credit, which TACO alone damps): TACO acts in every batch
+    "taco": Case("taco.sh", "grpo+taco", overrides=["tokencredit.taco.alpha=0.2"], configs={"taco": {"alpha": 0.2, "lam": 0.9}}),
     # H_target above the tiny model's entropy (about 1.8 nats), so that the gate is on and W, M act
     "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1", "tokencredit.stare.H_target=3.0"],
                   configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}}),
@@ -68,6 +71,11 @@ CASES = {
     "pact": Case("critic.sh", "pact", {"METHOD": "pact"}, CRITIC),
     "gtpo": Case("gtpo.sh", "gtpo"),
     "gae": Case("critic.sh", "gae", {"METHOD": "gae"}, CRITIC),
+    # two FSDP ranks (gloo): each rank's loss gets its half of the batch and the same shipped state
+    "stare_2ranks": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True", "N_GPUS": "2", "MICRO_BATCH": "8",
+                                                     "LOGPROB_MICRO_BATCH": "8"}, ["tokencredit.stare.H_target=3.0"],
+                         configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}},
+                         ranks=2),
     # OPPO's oracle scored by verl's own distillation teacher servers (a tc_hf replica of the tiny
     # model in a resource pool of its own: one more Ray "GPU" slot)
     "oppo_teacher": Case("oracle.sh", "oppo", {"METHOD": "oppo", "ORACLE": "teacher", "TEACHER_GPUS": "1"},
@@ -149,18 +157,34 @@ LOSS_SIGNALS = {"signal.entropy": "entropy", "signal.mode_prob": "mode_prob",
                 "signal.hidden_residual": "hidden_residual", "signal.ref_logprobs": "ref_logprobs"}
 
 
-def loss_batch(loss: dict, est: dict, calibrator_needs) -> CreditBatch:
-    """The loss's micro-batch as a CreditBatch: rewards and groups of the driver's batch (rows
-    aligned: the test checks the loss got the estimator's advantages row for row), the signals the
-    loss had (the update forward's log-probs, entropy, worker signals)."""
-    mask = loss["response_mask"].bool()
+def rows_of(loss: dict, est: dict) -> slice:
+    """The rows of the driver's batch a loss call got: the contiguous slice whose advantages it
+    received (each rank gets its contiguous share; one micro-batch per rank and step)."""
+    adv, n = est["advantages"], loss["advantages_in"].shape[0]
+    for start in range(adv.shape[0] - n + 1):
+        if torch.equal(adv[start:start + n], loss["advantages_in"]):
+            return slice(start, start + n)
+    raise AssertionError(f"the loss got advantages that are no {n} consecutive rows of the estimator's")
+
+
+def loss_batch(loss: dict, est: dict, rows: slice, needs) -> CreditBatch:
+    """The loss's micro-batch as a CreditBatch: rewards and groups of its rows of the driver's batch,
+    the signals the loss had (the update forward's log-probs, entropy, worker signals)."""
     sig = {"logprobs": loss["log_prob"], "old_logprobs": loss["old_log_prob"]}
     sig.update({name: loss[k] for k, name in LOSS_SIGNALS.items() if k in loss})
-    return CreditBatch(response_mask=mask, rewards=est["token_level_rewards"].sum(-1),
-                       group_ids=group_ids(est["meta"]["uids"]), **{k: v for k, v in sig.items() if k in calibrator_needs})
+    return CreditBatch(response_mask=loss["response_mask"].bool(), rewards=est["token_level_rewards"].sum(-1)[rows],
+                       group_ids=group_ids(est["meta"]["uids"])[rows], **{k: v for k, v in sig.items() if k in needs})
 
 
-def check_run(name: str, run: Run) -> None:
+def by_step(losses: List[dict]) -> List[List[dict]]:
+    """Loss calls per step: call k of every rank's process is step k + 1 (one micro-batch per rank)."""
+    steps: Dict[int, List[dict]] = {}
+    for rec in losses:
+        steps.setdefault(rec["meta"]["index"], []).append(rec)
+    return [sorted(steps[k], key=lambda r: r["meta"]["pid"]) for k in sorted(steps)]
+
+
+def check_run(name: str, run: Run, ranks: int = 1) -> None:
     case = CASES[name]
     assert run.rc == 0, f"verl run {name} failed (rc {run.rc}):\n{run.tail(80)}"
     rows = run.metrics()
@@ -169,30 +193,41 @@ def check_run(name: str, run: Run) -> None:
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == str(STEPS)
     assert os.path.isdir(os.path.join(ckpt, f"global_step_{STEPS}", "actor"))
 
-    ests, losses = run.captured("estimator"), run.captured("loss")
-    assert len(ests) == STEPS and len(losses) == STEPS, (len(ests), len(losses))
+    ests, losses = run.captured("estimator"), by_step(run.captured("loss"))
+    assert len(ests) == STEPS and [len(s) for s in losses] == [ranks] * STEPS, (len(ests), [len(s) for s in losses])
     pipe = CreditPipeline(case.spec, case.configs)
     cal_needs = set().union(*[c.requires for c in pipe.calibrators]) if pipe.calibrators else set()
     est_only = CreditPipeline(pipe.estimator.name, {pipe.estimator.name: case.configs.get(pipe.estimator.name, {})})
     moved = 0.0
-    for step, (est, loss, row) in enumerate(zip(ests, losses, rows), start=1):
+    for step, (est, step_losses, row) in enumerate(zip(ests, losses, rows), start=1):
         eb = estimator_batch(est)
         core = est_only(eb)
         # 1. the estimator verl ran is the core's, on the signals the trainer mode handed it
         torch.testing.assert_close(est["advantages"], core.advantages, atol=1e-5, rtol=1e-5)
-        # 2. the loss got those advantages, row for row (one micro-batch = the step's batch)
-        torch.testing.assert_close(loss["advantages_in"], est["advantages"], atol=1e-6, rtol=0)
-        # 3. the advantages verl's base policy loss received = the core pipeline's on the loss's batch
-        lb = loss_batch(loss, est, cal_needs)
-        if pipe.calibrators:  # the estimator again (it reads only rewards and groups), then the calibrators
+        grpo = CreditPipeline("grpo")(CreditBatch(response_mask=eb.response_mask, rewards=eb.rewards,
+                                                  group_ids=eb.group_ids)).advantages
+        metrics = dict(core.metrics)
+        covered = torch.zeros(eb.response_mask.shape[0], dtype=torch.bool)
+        for loss in step_losses:
+            # 2. each rank's loss got its rows of the estimator's advantages, row for row
+            rows_ = rows_of(loss, est)
+            assert not covered[rows_].any(), "two ranks got the same rows"
+            covered[rows_] = True
+            # 3. the advantages verl's base policy loss received = the core's calibrators on the loss's
+            #    micro-batch (its signals, the state shipped with the loss), from the estimator's credit
+            lb = loss_batch(loss, est, rows_, cal_needs)
             full = CreditPipeline(case.spec, case.configs)
             if full.states:
                 full.load_state_dict(loss["meta"]["credit_state"])
-            out = full(lb, update_state=False)
-            expected, metrics = out.advantages, out.metrics
-        else:
-            expected, metrics = core.advantages, core.metrics
-        torch.testing.assert_close(loss["advantages_out"], expected.float(), atol=1e-5, rtol=1e-4)
+            adv = core.advantages[rows_]
+            for cal in full.calibrators:
+                res = cal.fn(lb, adv, full.configs[cal.name], full.states.get(cal.name))
+                adv = res.advantages
+                metrics.update(res.metrics)
+            expected = adv * lb.response_mask
+            torch.testing.assert_close(loss["advantages_out"], expected.float(), atol=1e-5, rtol=1e-4)
+            moved = max(moved, float((loss["advantages_out"] - grpo[rows_]).abs().max()))
+        assert covered.all(), "rows of the step's batch reached no loss"
         # 4. the method's own metrics reached verl's logger (verl's stock trainer has no channel for
         #    an estimator's metrics: only the trainer mode logs them)
         logged = row["data"]
@@ -200,9 +235,6 @@ def check_run(name: str, run: Run) -> None:
         missing = [k for k in names if f"tokencredit/{k}" not in logged and f"actor/tokencredit/{k}" not in logged]
         assert not missing, f"{name}: metrics {missing} not in verl's log (tokencredit keys: " \
                             f"{sorted(k for k in logged if 'tokencredit' in k)})"
-        grpo = CreditPipeline("grpo")(CreditBatch(response_mask=eb.response_mask, rewards=eb.rewards,
-                                                  group_ids=eb.group_ids)).advantages
-        moved = max(moved, float((loss["advantages_out"] - grpo).abs().max()))
     if case.changes_credit:
         assert moved > 1e-3, f"{name}: the advantages the loss received equal GRPO's ({moved})"
     else:
@@ -211,7 +243,7 @@ def check_run(name: str, run: Run) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_method_trains_through_verl_main_ppo(name, assets, tmp_root):
-    check_run(name, run_case(name, assets, tmp_root))
+    check_run(name, run_case(name, assets, tmp_root), ranks=CASES[name].ranks)
 
 
 def _state_close(a, b, tol=1e-4) -> bool:

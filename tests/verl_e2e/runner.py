@@ -63,6 +63,8 @@ class Run:
             with safe_open(path, framework="pt") as f:
                 rec = {k: f.get_tensor(k) for k in f.keys()}
                 rec["meta"] = json.loads(f.metadata()["meta"])
+            _, pid, index = os.path.basename(path)[: -len(".safetensors")].split("-")
+            rec["meta"]["pid"], rec["meta"]["index"] = int(pid), int(index)  # process, its n-th call
             recs.append(rec)
         return recs
 
