@@ -301,3 +301,42 @@ def test_a_module_next_to_the_data_is_found(tmp_path, monkeypatch):
         assert _score(r).values == [[1.0, 1.0, 1.0]]
     finally:
         r.close()
+
+
+# -- budget sanity ------------------------------------------------------------------------------
+
+
+def crc_completion(completions, **kwargs):
+    import zlib
+
+    return [float(zlib.crc32(c.encode()) % 2) for c in completions]
+
+
+@pytest.mark.parametrize("threshold, warned", [(0.5, True), (1.0, False)])
+def test_a_budget_that_clips_most_completions_is_warned_about(tmp_path, caplog, threshold, warned):
+    """A random tiny model never ends a completion (EOS is 1 token in 99): every completion hits
+    max_new_tokens, completions/clipped_ratio is 1.0, and above reward.clipped_warn_ratio the log
+    says so, naming the budget."""
+    import logging
+
+    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.testing import tiny_model_and_tokenizer
+    from tokencredit.trainer import Trainer
+
+    cfg = TrainConfig(
+        steps=1, output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"),
+        task=TaskConfig(name="add1", n_train=8, n_eval=1),
+        reward=RewardConfig(funcs=("test_rewards:crc_completion",), clipped_warn_ratio=threshold),
+        rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=3, temperature=1.0),
+        optim=OptimConfig(micro_batch_size=4),
+        log=LogConfig(eval_every=100, eval_samples=0, progress=False, eval_at_start=False, save_rollouts=False),
+    )
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    tr = Trainer(cfg, model=model, tokenizer=tok)
+    with caplog.at_level(logging.WARNING, logger="tokencredit.trainer"):
+        last = tr.train()
+    assert last["completions/clipped_ratio"] == 1.0
+    lines = [r.getMessage() for r in caplog.records if "hit rollout.max_new_tokens" in r.getMessage()]
+    assert bool(lines) is warned
+    if warned:
+        assert lines[0].startswith("step 1: 100% of the completions hit rollout.max_new_tokens (3) without ending")
