@@ -213,3 +213,18 @@ def test_verl_refuses_ktae_in_one_line():
 
     with pytest.raises(ValueError, match=r"estimator 'ktae' needs \['token_ids'\]; the trainer mode gives a verl estimator only"):
         check_supported(CreditPipeline("ktae"))
+
+
+def test_trls_trainer_gives_ktae_the_completion_tokens(tmp_path):
+    """TokenCreditGRPOTrainer: the credit batch's token_ids are TRL's completion ids (floats after
+    its gather, validated as integers) and the advantages are the core pipeline's."""
+    pytest.importorskip("trl")
+    import test_trl
+
+    trainer = test_trl._make(tmp_path, "ktae", config={})
+    trainer.train()
+    assert trainer.records
+    for rec in trainer.records:
+        b = rec["batch"]
+        assert torch.equal(b.token_ids[b.mask].long(), rec["out"]["completion_ids"][b.mask].long())
+        torch.testing.assert_close(rec["out"]["advantages"].float(), CreditPipeline("ktae")(b, update_state=False).advantages.float())
