@@ -68,16 +68,30 @@ class RestrictedPolicy:
 
     @torch.no_grad()
     def next_logprobs(self, prompt: Sequence[int], nodes: Sequence[Node]) -> torch.Tensor:
-        """``[len(nodes), len(allowed)]`` float64 log pi_R(. | prompt + node); nodes of one length."""
+        """``[len(nodes), len(allowed)]`` float64 log pi_R(. | prompt + node); nodes of one length.
+        The prompt runs once per chunk and its KV cache is indexed out to the chunk's nodes
+        (:func:`tokencredit.forward.prompt_cache`), so only the nodes' own tokens are forwarded."""
+        from .forward import prompt_cache
+
         out = []
         idx = torch.tensor(list(self.allowed))
+        p_ids = torch.tensor([list(prompt)], dtype=torch.long)
+        p_att = torch.ones_like(p_ids)
         was = self.model.training
         self.model.eval()
         try:
             for s in range(0, len(nodes), self.chunk):
                 part = nodes[s: s + self.chunk]
-                ids = torch.tensor([list(prompt) + list(n) for n in part], dtype=torch.long)
-                logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1].double()
+                n, d = len(part), len(part[0])
+                po, cache = prompt_cache(self.model, p_ids, p_att, torch.tensor([0]), torch.zeros(n, dtype=torch.long))
+                if d == 0:
+                    logits = po.logits[:, -1].double().expand(n, -1)
+                else:
+                    ids = torch.tensor([list(x) for x in part], dtype=torch.long)
+                    att = torch.ones((n, p_ids.shape[1] + d), dtype=torch.long)
+                    pos = torch.arange(p_ids.shape[1], p_ids.shape[1] + d).expand(n, d)
+                    logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
+                                        use_cache=True).logits[:, -1].double()
                 out.append(torch.log_softmax(logits[:, idx] / self.temperature, -1))
         finally:
             self.model.train(was)
