@@ -236,16 +236,21 @@ def test_per_sample_graders_fail_per_completion():
 
 @pytest.mark.parametrize("spec", ["test_rewards:blocks_forever", "test_rewards:spins_forever"])
 def test_a_call_past_its_budget_is_ended_and_its_worker_killed(runner_of, spec):
-    r = runner_of(spec, "test_rewards:length_plus_answer", timeout_s=0.05)
-    s = _score(r)
-    assert s.failed["timeout"] == 3 and s.all_failed == [True, False]
-    assert "passed its 0.15 s budget and was ended" in s.first_failure[0]
-    assert s.values[1] == [5.0, 4.0, 7.0]  # the next function ran in a fresh worker
-    # the timed-out worker is gone (killed, not abandoned): nothing keeps running its call
     import multiprocessing
 
-    alive = [p for p in multiprocessing.active_children() if p.name == "tokencredit-reward"]
-    assert len(alive) == 1 and alive[0] is r._worker.proc and alive[0].daemon
+    r = runner_of(spec, timeout_s=0.05)
+    s = _score(r)
+    assert s.failed["timeout"] == 3 and s.all_failed == [True]
+    assert "passed its 0.15 s budget and was ended" in s.first_failure[0]
+    # the timed-out worker is gone (killed and reaped, not abandoned): nothing keeps running its call
+    assert r._worker.proc is None
+    assert not [p for p in multiprocessing.active_children() if p.name == "tokencredit-reward"]
+    # the next call runs in a fresh worker (a generous budget: only the outcome is asserted)
+    r.funcs[0] = load_reward_funcs(["test_rewards:length_plus_answer"])[0]
+    r.timeout_s = 60.0
+    assert _score(r).values == [[5.0, 4.0, 7.0]]
+    (alive,) = [p for p in multiprocessing.active_children() if p.name == "tokencredit-reward"]
+    assert alive is r._worker.proc and alive.daemon
 
 
 def test_close_leaves_no_worker_behind(runner_of):
