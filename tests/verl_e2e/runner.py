@@ -121,8 +121,9 @@ def run_main_ppo(out: str, overrides: List[str], *, extra_env: Optional[Dict[str
     t0 = time.time()
     peak = [0.0]
     with open(log_path, "w") as log:
+        # a session of its own: a run past its timeout is killed with every process it started (Ray's too)
         proc = subprocess.Popen([py, "-m", "verl.trainer.main_ppo", *overrides], cwd=out, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         done = threading.Event()
 
         def sample():
@@ -135,7 +136,9 @@ def run_main_ppo(out: str, overrides: List[str], *, extra_env: Optional[Dict[str
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            import signal
+
+            os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
         finally:
             done.set()
