@@ -116,17 +116,18 @@ def check_output_dir(path: str | os.PathLike, field: str = "output_dir") -> None
 
 
 class _CheckpointFile:
-    """The file ``torch.save`` writes a checkpoint into. torch turns an error of the file's
-    ``write`` into a RuntimeError of its own; the OSError itself (a full disk) is kept here."""
+    """The file ``torch.save`` writes a checkpoint into. torch turns an exception raised in the
+    file's ``write`` into a RuntimeError of its own; the exception itself (an OSError of a full
+    disk, the KeyboardInterrupt of a Ctrl-C or SIGTERM handled there) is kept here."""
 
     def __init__(self, f):
         self.f = f
-        self.error: Optional[OSError] = None
+        self.error: Optional[BaseException] = None
 
     def write(self, data) -> int:
         try:
             return self.f.write(data)
-        except OSError as e:
+        except BaseException as e:
             self.error = e
             raise
 
@@ -155,12 +156,12 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], k
             try:
                 torch.save(state, out)
             except RuntimeError as e:
-                if out.error is not None:  # the file's own error, not torch's wrapping of it
+                if out.error is not None:  # the file's own exception, not torch's wrapping of it
                     raise out.error from None
                 raise
             f.flush()
             os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:
+    except (Exception, KeyboardInterrupt) as e:  # a full disk, torch's error, Ctrl-C / SIGTERM: no temporary folder left
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(e):
             last = latest_checkpoint(root)

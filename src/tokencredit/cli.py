@@ -135,7 +135,7 @@ def _compare(args: argparse.Namespace, rest: List[str]) -> int:
     from .compare import parse_seeds, parse_specs, run_compare
     from .config import load_config
 
-    for flag in ("--seed", "--credit", "--resume"):
+    for flag in ("--seed", "--credit", "--resume", "--overwrite"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(
                 f"tokencredit compare: {flag} is set per run by compare; use --credit A,B and --seeds 0,1"

@@ -259,7 +259,7 @@ class MetricsWriter:
         try:
             self._write_bytes(data)
             os.fsync(self._fd)
-        except OSError as e:
+        except (Exception, KeyboardInterrupt) as e:  # a full disk, or a Ctrl-C / SIGTERM handled mid-write
             try:  # never leave half a record behind
                 os.ftruncate(self._fd, size)
             except OSError:
