@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from .batch import CreditBatch
 from .checkpoint import check_output_dir, latest_checkpoint, load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .runfolder import MetricsWriter, check_run_folder, claim_run_folder, write_atomic
-from .runfolder import MetricsWriter, check_run_folder, claim_run_folder, write_atomic
 from .config import SAFE_TO_CHANGE, ConfigError, TrainConfig, config_diff, config_to_dict
 from .batch import SIGNALS
 from .forward import forward_response
@@ -89,10 +88,6 @@ class Trainer:
         cfg.validate()
         check_output_dir(cfg.output_dir)
         self.out = Path(cfg.output_dir)
-        # a run folder belongs to one run: a fresh run where one is, or a folder another live
-        # run holds, is refused here (runfolder.claim_run_folder takes the lock in train())
-        check_run_folder(self.out, resume=cfg.resume, overwrite=cfg.overwrite)
-        self._owns_run = False
         # a run folder belongs to one run: a fresh run where one is, or a folder another live
         # run holds, is refused here (runfolder.claim_run_folder takes the lock in train())
         check_run_folder(self.out, resume=cfg.resume, overwrite=cfg.overwrite)
@@ -194,8 +189,6 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.offset = 0
-        self._resumed = False  # the checkpoint of cfg.resume is loaded once (a second train() goes on)
-        self.stopped_by: Optional[str] = None
         self._resumed = False  # the checkpoint of cfg.resume is loaded once (a second train() goes on)
         self.stopped_by: Optional[str] = None
         self._order = self._permutation(0)
