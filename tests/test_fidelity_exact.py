@@ -105,3 +105,26 @@ def test_build_exact_refuses_what_it_cannot_honour_in_one_line(tmp_path):
         main(["build", str(tmp_path), "-o", str(tmp_path / "x.pt"), "--exact"])
     with pytest.raises(SystemExit, match=r"^tokencredit fidelity build: --exact: expected no --lora, --rows or --crn"):
         main(["build", "--task", "mul1", "-o", str(tmp_path / "x.pt"), "--exact", "--crn"])
+
+
+def test_the_bundled_exact_set():
+    """The shipped exact set (docs/fidelity.md): mul1 prompts answered by SmolLM2 restricted to
+    the digits and its end token; V is exact, so the split-half reference and the rank correlation
+    perfect credit would reach are 1; every response to one prompt starts from the same root V;
+    only the methods that need an adapter, a reference or a critic are not scored."""
+    from tokencredit.fidelity_exact import REFERENCE_EXACT
+
+    est = load_estimates(REFERENCE_EXACT)
+    assert est["settings"]["exact"] and est["settings"]["M"] == 2
+    s = est["samples"]
+    assert torch.equal(torch.nan_to_num(s[..., 0], -1.0), torch.nan_to_num(s[..., 1], -1.0))
+    g = est["rollouts"]["signals"]["group_ids"]
+    for gid in g.unique():
+        roots = s[g == gid, 0, 0]
+        assert float(roots.max() - roots.min()) < 1e-6
+    res = score(est, cfg=FidelityConfig(n_boot=20))
+    assert res["perfect_rank_corr"] == {"all": pytest.approx(1.0), "mixed": pytest.approx(1.0)}
+    assert {x["spec"] for x in res["skipped"]} <= {"gae", "pact", "grpo+arca", "rloo+arca", "grpo+divergence"}
+    c = token_credit(est)
+    sig = est["rollouts"]["signals"]
+    torch.testing.assert_close(c.sum(1), sig["rewards"] - s[:, 0, 0], atol=1e-5, rtol=0)

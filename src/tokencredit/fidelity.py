@@ -1102,9 +1102,10 @@ def _score_main(argv: List[str]) -> int:
 
     p = argparse.ArgumentParser(prog="tokencredit fidelity", description="score every method's token credit against Monte Carlo true credit")
     p.add_argument("file", nargs="?", default=None, help="an estimates file (default: the bundled reference set)")
-    p.add_argument("--reference", choices=("spans", "tokens"), default="spans",
-                   help="without FILE, which bundled set: V every 4th position for all 64 responses (spans), or at "
-                        "every position of the same batch's first groups with mixed outcomes (tokens)")
+    p.add_argument("--reference", choices=("spans", "tokens", "exact"), default="spans",
+                   help="without FILE, which bundled set: V every 4th position for all 64 responses (spans), at "
+                        "every position of the same batch's first groups with mixed outcomes (tokens), or exact V of a "
+                        "digit-restricted policy on mul1 (exact)")
     p.add_argument("--methods", default=None, help="comma-separated credit specs (default: what inspect replays)")
     p.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE")
     p.add_argument("--delta", type=float, default=FidelityConfig.delta)
@@ -1115,11 +1116,14 @@ def _score_main(argv: List[str]) -> int:
                    "the papers' token-level claims (sparsity, TACO's tail tokens, where each method's credit goes)")
     a = p.parse_args(argv)
     try:
-        ref = REFERENCE_SET if a.reference == "spans" else REFERENCE_TOKENS
+        from .fidelity_exact import REFERENCE_EXACT, REFERENCE_EXACT_COMMAND
+
+        ref = {"spans": REFERENCE_SET, "tokens": REFERENCE_TOKENS, "exact": REFERENCE_EXACT}[a.reference]
         if a.file is None and not ref.is_file():
             how = "" if a.reference == "spans" else (" --steps 3 --stride 1 --rows mixed --rollouts-from " + str(REFERENCE_SET)
                                                      + " --work-dir build/fidelity_tokens --output " + str(ref))
-            raise FidelityError(f"no bundled reference set at {ref}: build it with 'python scripts/build_fidelity_set.py{how}' "
+            cmd = REFERENCE_EXACT_COMMAND if a.reference == "exact" else f"python scripts/build_fidelity_set.py{how}"
+            raise FidelityError(f"no bundled reference set at {ref}: build it with '{cmd}' "
                                 "(docs/fidelity.md) or pass an estimates file")
         est = load_estimates(a.file or ref)
         specs = parse_methods(a.methods) if a.methods is not None else None

@@ -20,11 +20,17 @@ scores a Monte Carlo file, and its split-half reference is exactly 1 (no noise c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["RestrictedPolicy", "digit_vocabulary", "exact_tree", "tree_values", "exact_estimates"]
+__all__ = ["RestrictedPolicy", "digit_vocabulary", "exact_tree", "tree_values", "exact_estimates", "REFERENCE_EXACT"]
+
+#: the bundled exact set (``tokencredit fidelity --reference exact``; docs/fidelity.md)
+REFERENCE_EXACT = Path(__file__).parent / "data" / "fidelity_exact_mul1.pt"
+REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " + str(REFERENCE_EXACT)
+                           + " --prompts 16 --samples 4 --max-new-tokens 3 --temperature 0.7 --threads 1")
 
 Node = Tuple[int, ...]
 
@@ -229,7 +235,6 @@ def build_from_task(a) -> int:
     training examples, ``--samples`` responses each from the model restricted to the digits and
     its end token, exact V; written to ``a.output``."""
     import time
-    from pathlib import Path
 
     from .fidelity import FidelityError, _atomic_save, format_table, score
     from .models import EMBEDDED, load_frozen
