@@ -454,6 +454,11 @@ class TrainConfig:
     output_dir: str = "runs/default"  # the run directory: config.json, metrics.jsonl, checkpoints, eval
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N | mps
     threads: Optional[int] = None  # torch intra-op threads on CPU
+    # numbers of rollouts, signal passes and the update: fp32, or bf16 (generation on a bf16 copy
+    # of the weights, forward/backward under bf16 autocast; weights, gradients and AdamW state
+    # stay fp32), or auto (bf16 where the CPU has bf16 matrix units, amx_bf16/avx512_bf16, or the
+    # GPU supports bf16; else fp32). config.json records the resolved one; resume keeps it
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     save_every: int = 10  # a checkpoint every N steps (and at the last)
     keep_last: int = 2  # checkpoints kept; older ones are deleted
     resume: bool = False  # continue output_dir's run from its latest checkpoint (same settings)

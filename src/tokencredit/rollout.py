@@ -210,11 +210,17 @@ class HFRollout:
     (see :meth:`_shared_prefix`); False leaves generation entirely to ``generate``.
     Sampling uses the global torch RNG, or a private stream when ``seed`` is given (the
     global RNG is then left untouched), so the same seed gives the same samples on CPU.
+    ``dtype`` (e.g. ``torch.bfloat16``): generate with a copy of the model in that dtype, made on
+    first use and re-synced from ``model`` after :meth:`weights_changed` (call it after each
+    optimizer step); the log-probs are still computed in fp32 from the returned logits. None generates with ``model`` itself.
     """
 
-    def __init__(self, model, tokenizer, *, max_batch_size: Optional[int] = None, share_prompts: bool = True):
+    def __init__(self, model, tokenizer, *, max_batch_size: Optional[int] = None, share_prompts: bool = True,
+                 dtype: Optional[torch.dtype] = None):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1 or None, got {max_batch_size}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype: expected a floating torch dtype or None, got {dtype!r}")
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer: expected a pad token (tokencredit.models.prepare_tokenizer sets eos), got none")
         if getattr(tokenizer, "chat_template", None) is None:
@@ -223,6 +229,32 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.share_prompts = share_prompts
+        self.dtype = dtype
+        self._copy = None  # the low-precision copy (dtype set)
+        self._stale = False
+
+    def weights_changed(self) -> None:
+        """Tell a ``dtype`` rollout that ``model``'s weights changed (an optimizer step, a loaded
+        checkpoint): the next ``generate`` copies them into its low-precision copy first. (Torch's
+        fused optimizers update in place without bumping version counters, so this is explicit.)"""
+        self._stale = True
+
+    def generation_model(self):
+        """The model ``generate`` runs: ``model``, or its ``dtype`` copy brought up to date."""
+        if self.dtype is None:
+            return self.model
+        if self._copy is None:
+            import copy
+
+            self._copy = copy.deepcopy(self.model).to(self.dtype)
+            self._copy.requires_grad_(False)
+        elif self._stale:
+            dst = dict(self._copy.named_parameters())
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    dst[n].copy_(p)
+        self._stale = False
+        return self._copy
 
     # -- helpers ---------------------------------------------------------------------------
     def _stop_ids(self) -> List[int]:
@@ -238,7 +270,8 @@ class HFRollout:
         return sorted(ids)
 
     def _hf_model(self):
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        m = self._copy if self._copy is not None else self.model
+        return m.get_base_model() if hasattr(m, "get_base_model") else m
 
     @contextlib.contextmanager
     def _clean_generation_config(self, stop_ids: List[int]) -> Iterator[None]:
@@ -272,7 +305,7 @@ class HFRollout:
         if len(uniq) == len(prompt_index) or P < 2:
             return {}
         ids, att = enc["input_ids"][:, : P - 1].to(device), enc["attention_mask"][:, : P - 1].to(device)
-        _, cache = prompt_cache(self.model, ids, att, uniq.to(device), inverse.to(device))
+        _, cache = prompt_cache(self.generation_model(), ids, att, uniq.to(device), inverse.to(device))
         return {"past_key_values": cache}
 
     def _check(self, prompts, num_samples, max_new_tokens, temperature, top_p) -> None:
@@ -313,7 +346,8 @@ class HFRollout:
         prompt_ids = enc["input_ids"][prompt_index]
         prompt_mask = enc["attention_mask"][prompt_index]
         N, P = prompt_ids.shape
-        device = next(self.model.parameters()).device
+        gen = self.generation_model()
+        device = next(gen.parameters()).device
         stop_ids = self._stop_ids()
         pad = int(tok.pad_token_id)
         greedy = temperature == 0
@@ -335,9 +369,9 @@ class HFRollout:
 
         step = self.max_batch_size or N
         chunks = []
-        was_training = self.model.training
+        was_training = gen.training
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else contextlib.nullcontext()
-        self.model.eval()
+        gen.eval()
         try:
             with rng, self._clean_generation_config(stop_ids):
                 if seed is not None:
@@ -346,7 +380,7 @@ class HFRollout:
                     ids = prompt_ids[s : s + step].to(device)
                     att = prompt_mask[s : s + step].to(device)
                     prefix = self._shared_prefix(enc, prompt_index[s : s + step], device) if self.share_prompts else {}
-                    out = self.model.generate(
+                    out = gen.generate(
                         input_ids=ids, attention_mask=att, generation_config=gen_cfg,
                         logits_processor=[_finite_check_processor()], **prefix,
                     )
@@ -358,7 +392,7 @@ class HFRollout:
                     del out
                     chunks.append((resp, lp))
         finally:
-            self.model.train(was_training)
+            gen.train(was_training)
 
         T = max(r.shape[1] for r, _ in chunks)
         response_ids = torch.full((N, T), pad, dtype=torch.long)

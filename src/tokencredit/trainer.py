@@ -86,6 +86,10 @@ class Trainer:
         # everything that needs no model comes first, so that a bad setting, data file, reward
         # function or run directory fails at once, before a model is loaded
         cfg.validate()
+        from .precision import resolve_precision
+
+        if cfg.precision == "auto":  # recorded resolved: config.json says what the run trained in
+            cfg = self.cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, cfg.device))
         check_output_dir(cfg.output_dir)
         self.out = Path(cfg.output_dir)
         # a run folder belongs to one run: a fresh run where one is, or a folder another live
@@ -183,7 +187,10 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(o.schedule, o.warmup_steps, cfg.steps))
 
-        self.rollout = HFRollout(self.model, self.tokenizer)
+        from .precision import dtype_of
+
+        # bf16: generation on a bf16 copy of the weights (re-synced after each optimizer step)
+        self.rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision))
 
         # -- run state ------------------------------------------------------------------
         self.step = 0
@@ -316,8 +323,17 @@ class Trainer:
             oracle_prompt_len=batch.oracle_prompt_len if batch.oracle_input_ids is not None else batch.prompt_len,
         )
         models = PassModels(policy=self.model, reference=self.reference, teacher=self.teacher, critic=self.critic)
-        return run_passes(plan, models, inp, temperature=self._temperature(), micro_batch_size=self.cfg.optim.micro_batch_size,
-                          check=lambda x, what, m: _check_finite(x, what, self.step + 1, m))
+        with self._autocast():
+            out = run_passes(plan, models, inp, temperature=self._temperature(), micro_batch_size=self.cfg.optim.micro_batch_size,
+                             check=lambda x, what, m: _check_finite(x, what, self.step + 1, m))
+        # (bf16: the signals leave the passes in fp32, as the rest of the step computes)
+        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+    def _autocast(self):
+        """bf16 autocast under ``precision=bf16``, nothing under fp32 (tokencredit.precision)."""
+        from .precision import autocast
+
+        return autocast(self.cfg.precision, self.device.type)
 
     def _attach_oracle_inputs(self, batch: StepBatch, plan: SignalPlan) -> None:
         """The oracle-prompted inputs of the batch: each row's conversation with the question
@@ -462,7 +478,8 @@ class Trainer:
                 m = mask[sl]
                 if m.sum() == 0:
                     continue
-                _, logits = forward_response(self.model, batch.input_ids[sl], batch.attention_mask[sl], P)
+                with self._autocast():
+                    _, logits = forward_response(self.model, batch.input_ids[sl], batch.attention_mask[sl], P)
                 _check_finite(logits, "policy logits", self.step + 1, m)
                 # the first epoch's entropy (logged) comes out of the same pass over the logits
                 want = ("logprobs", "entropy") if epoch == 0 else ("logprobs",)
@@ -497,6 +514,7 @@ class Trainer:
                 )
             grad_norm = float(gn)
             self.optimizer.step()
+            self.rollout.weights_changed()  # (a bf16 generation copy re-syncs before it next samples)
         self.scheduler.step()
         out = {f"loss/{k}": v for k, v in sums.items()}
         out["grad_norm"] = grad_norm
@@ -641,6 +659,7 @@ class Trainer:
         if self.critic is not None:
             self.critic.load_state_dict(sd["critic"])
             self.critic_opt.load_state_dict(sd["critic_opt"])
+        self.rollout.weights_changed()
         self.step, self.epoch, self.offset = sd["step"], sd["epoch"], sd["offset"]
         self._order = self._permutation(self.epoch)
         set_rng_state(sd["rng"])
