@@ -152,3 +152,16 @@ def test_a_config_from_before_the_data_and_reward_sections_matches_their_default
     assert config_diff(old, new) == []
     changed = dict(new, reward=dict(new["reward"], funcs=["math"]))
     assert config_diff(old, changed) == ["reward.funcs: [] -> ['math']"]
+
+
+def test_without_an_eval_choice_a_tenth_is_held_out_and_said(tmp_path, caplog):
+    """A 22-row file is no longer cut 11 / 11: data.eval_fraction's default (0.1) holds out 2 rows,
+    and the log says how to choose otherwise."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tokencredit.datasource"):
+        d = load_own_data(DataConfig(path=_jsonl(tmp_path / "qa.jsonl", _qa(22)), prompt_column="question"),
+                          seed=0, n_train=100, n_eval=32)
+    assert (len(d.train), len(d.eval)) == (20, 2)
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "held out 2 of 22 rows" in msg and "set data.eval_path, data.eval_split or data.eval_fraction" in msg
