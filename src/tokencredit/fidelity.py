@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -46,6 +44,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .fidelity_base import FORMAT, FidelityError, _atomic_save, _lengths, batch_fingerprint, response_rows  # noqa: F401 (re-exported)
 
 __all__ = [
     "CLAIM_SPECS",
@@ -71,14 +71,9 @@ __all__ = [
     "trajectory_metrics",
 ]
 
-FORMAT = "tokencredit-fidelity/1"
 REFERENCE_SET = Path(__file__).parent / "data" / "fidelity_reference.pt"
 #: the same batch, V at every position (credit per token) for the first groups of responses
 REFERENCE_TOKENS = Path(__file__).parent / "data" / "fidelity_reference_tokens.pt"
-
-
-class FidelityError(ValueError):
-    """Bad input to the fidelity instrument; the message is one line naming what does not match."""
 
 
 @dataclass
@@ -108,33 +103,7 @@ class FidelityConfig:
 
 
 # ---------------------------------------------------------------------------------------
-# the batch and its fingerprint
-
-
-def _lengths(saved: Dict[str, Any]) -> List[int]:
-    return [int(x) for x in torch.as_tensor(saved["signals"]["response_mask"]).bool().sum(1)]
-
-
-def response_rows(saved: Dict[str, Any]) -> List[List[int]]:
-    """The response token ids of every row, without padding."""
-    ids = saved.get("response_ids")
-    if ids is None:
-        raise FidelityError("ROLLOUTS: no 'response_ids' (saved by the trainer's _save_rollouts); cannot continue its prefixes")
-    ids = torch.as_tensor(ids)
-    return [ids[i, :n].tolist() for i, n in enumerate(_lengths(saved))]
-
-
-def batch_fingerprint(saved: Dict[str, Any]) -> str:
-    """sha1 of the questions, response tokens and rewards: which batch an estimates file is of."""
-    h = hashlib.sha1()
-    for q, row, r in zip(saved.get("questions") or [""] * len(_lengths(saved)), response_rows(saved),
-                         torch.as_tensor(saved["signals"]["rewards"]).float().tolist()):
-        h.update(json.dumps([str(q), row, round(float(r), 6)]).encode())
-    return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------
-# Monte Carlo continuations
+# Monte Carlo continuations (the batch's rows and fingerprint: fidelity_base)
 
 
 def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M: int, budgets: Sequence[int], *,
@@ -211,13 +180,6 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
 def mc_positions(length: int, stride: int) -> List[int]:
     """Positions whose V is estimated: 0, stride, 2*stride, ... below ``length``."""
     return list(range(0, max(int(length), 1), int(stride)))
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def check_policy(model, tokenizer, saved: Dict[str, Any], temperature: float, *, tol: float = 0.05) -> float:

@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .fidelity_base import FORMAT, FidelityError, _atomic_save, batch_fingerprint
+
 __all__ = ["RestrictedPolicy", "digit_vocabulary", "exact_tree", "tree_values", "exact_estimates", "REFERENCE_EXACT"]
 
 #: the bundled exact set (``tokencredit fidelity --reference exact``; docs/fidelity.md)
@@ -36,8 +38,6 @@ Node = Tuple[int, ...]
 
 
 def _error(msg: str):
-    from .fidelity import FidelityError
-
     return FidelityError(msg)
 
 
@@ -158,7 +158,6 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
     ``examples``: objects with ``messages`` (chat messages), ``question`` and ``answer``;
     ``reward(text, example)`` scores a decoded response. ``oracle_prompt(question, answer)``
     (default: OPPO's) gives the oracle log-probs of the same responses."""
-    from .fidelity import FORMAT, batch_fingerprint
     from .methods.opd import oracle_prompt as default_oracle
 
     if allowed is None or stop is None:
@@ -236,7 +235,6 @@ def build_from_task(a) -> int:
     its end token, exact V; written to ``a.output``."""
     import time
 
-    from .fidelity import FidelityError, _atomic_save, format_table, score
     from .models import EMBEDDED, load_frozen
     from .tasks import make_task, score_safely
 
@@ -261,6 +259,6 @@ def build_from_task(a) -> int:
                           policy=f"{name} restricted to the digits and its end token, T = {a.temperature} (exact tier)")
     est["build"]["seconds"] = time.perf_counter() - t0
     _atomic_save(est, Path(a.output))
-    print(format_table(score(est)))
-    print(f"exact estimates written to {a.output} ({est['build']['exact_nodes']} nodes, {est['build']['seconds']:.0f} s)")
+    print(f"exact estimates written to {a.output} ({est['build']['exact_nodes']} nodes, {est['build']['seconds']:.0f} s); "
+          f"score them with: tokencredit fidelity {a.output}")
     return 0
