@@ -58,6 +58,10 @@ class Case:
 CRITIC = ["critic.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=4"]
 CASES = {
     "tc_grpo": Case("estimators.sh", "grpo", {"METHOD": "grpo"}, changes_credit=False, trainer_mode=False),
+    # Dr. GRPO: no std normalisation (credit differs from GRPO's), its loss aggregation in verl's loss
+    "tc_dr_grpo": Case("estimators.sh", "dr_grpo", {"METHOD": "dr_grpo"}, trainer_mode=False),
+    # ARCA's divergence baseline: the reference policy's log-probs reach the loss
+    "divergence": Case("intrinsic.sh", "grpo+divergence", {"SALIENCE": "divergence"}),
     # alpha 0.2 (the paper's 0.01 puts 1-3% of the tiny model's tokens in the tail, and in some
     # batches none of them has positive credit, which TACO alone damps): TACO acts in every batch
     "taco": Case("taco.sh", "grpo+taco", overrides=["tokencredit.taco.alpha=0.2"], configs={"taco": {"alpha": 0.2, "lam": 0.9}}),

@@ -17,10 +17,11 @@ What it adds, all through verl's own registries (no file of verl is edited):
   replica that generates with transformers ``generate`` (token in, token out, with log-probs,
   concurrent requests batched), fed the actor's weights by verl's own weight-update path after
   every step (vLLM and SGLang have no CPU build that fits verl 0.9's transformers pin);
-* two CUDA assumptions patched: the process-group backend string ``cpu:gloo,<device>:<backend>``
-  (a duplicate on a CPU, which torch rejects) and the critic loader's hard-coded
+* three CUDA assumptions patched: the process-group backend string ``cpu:gloo,<device>:<backend>``
+  (a duplicate on a CPU, which torch rejects), the critic loader's hard-coded
   ``attn_implementation="flash_attention_2"`` (no CPU build; the model's own configured
-  implementation is used instead).
+  implementation is used instead) and the pinned host memory of the reference policy's FSDP2
+  ``CPUOffloadPolicy`` (pinning needs an accelerator).
 
 What a CPU dry run proves and what not: docs/integrations.md ("Dry-run a verl config on CPU").
 """
@@ -226,6 +227,24 @@ def _patch_critic_loader() -> None:
     vum.load_valuehead_model = load_valuehead_model
 
 
+def _patch_offload_pinning() -> None:
+    """verl's forward-only engines (the reference policy) shard with FSDP2's
+    ``CPUOffloadPolicy(pin_memory=True)``; pinned host memory needs an accelerator, and on a CPU the
+    parameters are in host memory already: the same policy without pinning."""
+    import verl.workers.engine.fsdp.transformer_impl as impl
+
+    original = impl.CPUOffloadPolicy
+    if original is None or getattr(original, "_tc_cpu", False):
+        return
+
+    def CPUOffloadPolicy(*args, **kwargs):  # noqa: N802 (stands in for the class)
+        kwargs["pin_memory"] = False
+        return original(*args, **kwargs)
+
+    CPUOffloadPolicy._tc_cpu = True
+    impl.CPUOffloadPolicy = CPUOffloadPolicy
+
+
 def _register_engines_for_cpu() -> None:
     """verl's FSDP engines (every model type and backend registered for ``cuda``) for ``cpu`` too."""
     from verl.workers.engine.base import EngineRegistry
@@ -345,6 +364,7 @@ def install() -> None:
     _patch_process_group()
     _patch_critic_loader()
     _register_engines_for_cpu()
+    _patch_offload_pinning()
     _register_rollout()
 
 
