@@ -32,7 +32,7 @@ __all__ = ["RestrictedPolicy", "digit_vocabulary", "exact_tree", "tree_values", 
 #: the bundled exact set (``tokencredit fidelity --reference exact``; docs/fidelity.md)
 REFERENCE_EXACT = Path(__file__).parent / "data" / "fidelity_exact_mul1.pt"
 REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " + str(REFERENCE_EXACT)
-                           + " --prompts 16 --samples 4 --max-new-tokens 3 --temperature 0.7 --threads 1")
+                           + " --prompts 32 --samples 4 --max-new-tokens 3 --temperature 1.0 --threads 1")
 
 Node = Tuple[int, ...]
 
