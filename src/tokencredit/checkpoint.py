@@ -163,13 +163,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], k
             os.fsync(f.fileno())
     except (Exception, KeyboardInterrupt) as e:  # a full disk, torch's error, Ctrl-C / SIGTERM: no temporary folder left
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e):
-            last = latest_checkpoint(root)
-            raise DiskFullError(
-                tmp / "state.pt",
-                f"checkpoint of step {step} (not written; the last checkpoint, {str(last) if last else 'none'}, is untouched)",
-                e,
-            ) from None
+        if is_disk_full(e):  # the caller says which checkpoint is left (the temporary one is gone)
+            raise DiskFullError(tmp / "state.pt", f"checkpoint of step {step} (not written)", e) from None
         raise
     if final.exists():  # same step saved twice (e.g. Ctrl-C right after a periodic save)
         shutil.rmtree(final)

@@ -700,8 +700,10 @@ class Trainer:
         try:
             return self._train()
         except DiskFullError as e:
-            e.message += (f"; the run stopped at step {self.step}, the last checkpoint "
-                          f"({latest_checkpoint(self.out / 'checkpoints')}) is intact: free space and continue with --resume")
+            last = latest_checkpoint(self.out / "checkpoints")
+            e.message += (f"; the run stopped at step {self.step}; "
+                          + (f"the last checkpoint ({last}) is intact: free space and continue with --resume" if last
+                             else "no checkpoint yet: free space and start again with --overwrite"))
             raise
         finally:
             lock.release()
