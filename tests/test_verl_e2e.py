@@ -239,10 +239,39 @@ def check_run(name: str, run: Run, ranks: int = 1) -> None:
         missing = [k for k in names if f"tokencredit/{k}" not in logged and f"actor/tokencredit/{k}" not in logged]
         assert not missing, f"{name}: metrics {missing} not in verl's log (tokencredit keys: " \
                             f"{sorted(k for k in logged if 'tokencredit' in k)})"
+    if case.trainer_mode:
+        check_inspect(run, ests[-1])
     if case.changes_credit:
         assert moved > 1e-3, f"{name}: the advantages the loss received equal GRPO's ({moved})"
     else:
         assert moved < 1e-5, f"{name}: expected GRPO's advantages, max difference {moved}"
+
+
+def check_inspect(run: Run, est: dict) -> None:
+    """The trainer mode saved the last step's batch where ``tokencredit inspect`` finds it, with the
+    driver's rewards, groups and advantages, and the real command renders it."""
+    import subprocess
+
+    from tokencredit.inspector import load_rollouts
+
+    folder = os.path.join(run.out, "ckpt")
+    saved = load_rollouts(folder)  # eval/rollouts_step_*.pt, checked as inspect checks it
+    assert saved["step"] == STEPS
+    eb = estimator_batch(est)
+    torch.testing.assert_close(saved["signals"]["rewards"], eb.rewards)
+    assert torch.equal(group_ids_of(saved["signals"]["group_ids"]), group_ids_of(eb.group_ids))
+    torch.testing.assert_close(saved["advantages"], est["advantages"] * eb.response_mask, atol=1e-6, rtol=0)
+    assert [len(t) for t in saved["tokens"]] == eb.response_mask.sum(1).tolist()
+    page = os.path.join(run.out, "inspect.html")
+    cli = os.path.join(os.path.dirname(sys.executable), "tokencredit")
+    done = subprocess.run([cli, "inspect", folder, "-o", page], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and os.path.getsize(page) > 0, done.stderr[-2000:]
+
+
+def group_ids_of(ids: torch.Tensor) -> torch.Tensor:
+    """Group ids renumbered by first appearance (two labellings of one grouping compare equal)."""
+    order = {}
+    return torch.tensor([order.setdefault(int(g), len(order)) for g in ids])
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -11,10 +11,11 @@ registrations exist wherever verl looks them up (checked against verl 0.9.1):
   tokencredit_language_model``, registered in verl's ``EngineRegistry``), whose forward also
   returns ACPO's top-1 probability and ARCA's adapter-on/off hidden-state residual;
 * :mod:`.oracle`: the oracle-prompted inputs of OPPO/OPD's oracle pass (driver side, pure);
+* :mod:`.record`: the step batch in the format ``tokencredit inspect`` replays (driver side, pure);
 * :mod:`.trainer`: the trainer mode ``tokencredit_sync`` (``trainer.v1.trainer_mode=tokencredit_sync``),
   verl's synchronous PPO trainer plus the passes the spec's methods declare (``tokencredit.plan``).
 
-Dependencies run one way: ``trainer -> oracle, core`` and ``engine -> core``; ``core`` and
+Dependencies run one way: ``trainer -> oracle, record, core`` and ``engine -> core``; ``core`` and
 ``oracle`` import nothing of the trainer mode or the engine, and this package module imports all four.
 """
 

@@ -70,6 +70,7 @@ from .core import (
     tokencredit_value_loss,
 )
 from .oracle import oracle_prompt_ids, oracle_samples, response_logprobs, teacher_response_logprobs
+from .record import RECORD_FIELDS, rollouts_record
 
 __all__ = [
     "TokenCreditPPOTrainerSync",
@@ -450,7 +451,18 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         pop_estimator_metrics()  # nothing of an earlier call (e.g. validation) is this step's
         out = super()._compute_advantage(batch, metrics)
         metrics.update({f"tokencredit/{k}": v for k, v in pop_estimator_metrics().items()})
+        self._tc_last_rollouts = self._tc_rollouts_record(out if out is not None else batch)
         return out
+
+    def _tc_rollouts_record(self, batch) -> Dict:
+        """The step's batch as ``tokencredit inspect`` replays it (:func:`.record.rollouts_record`),
+        read back from TransferQueue; written with every checkpoint (:meth:`_save_checkpoint`)."""
+        import transfer_queue as tq
+
+        keys = list(batch.keys)
+        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)] if batch.tags else list(range(len(keys)))
+        data = tq.kv_batch_get(keys=[keys[i] for i in real], partition_id=batch.partition_id, select_fields=RECORD_FIELDS)
+        return rollouts_record(data, self.tokenizer, self.tokencredit_credit, int(self.global_steps))
 
     def _tc_oracle_pass(self, batch, width: int) -> torch.Tensor:
         """The oracle's log-probs of each response after its oracle prompt, [B, width]: the actor
@@ -563,6 +575,11 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
+        record = getattr(self, "_tc_last_rollouts", None)
+        if record is not None:  # what `tokencredit inspect DEFAULT_LOCAL_DIR` replays
+            folder = os.path.join(self.config.trainer.default_local_dir, "eval")
+            os.makedirs(folder, exist_ok=True)
+            torch.save(record, os.path.join(folder, f"rollouts_step_{self.global_steps:08d}.pt"))
         if self.tokencredit_credit.states:
             folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
             save_credit_state(folder, self.tokencredit_credit)

@@ -1,0 +1,69 @@
+"""The step batch of a verl run as ``tokencredit inspect`` replays it: the format of the own
+trainer's ``eval/rollouts_step_*.pt`` (:mod:`tokencredit.inspector`), built on the driver from the
+fields verl's v1 trainer keeps in TransferQueue. Pure: the trainer mode reads the fields
+(:meth:`.trainer.TokenCreditPPOTrainerSync._tc_rollouts_record`) and saves the record with every
+checkpoint under ``trainer.default_local_dir/eval/``.
+
+What is in it: the driver's signals (``rewards`` = verl's ``rm_scores`` summed over tokens,
+``group_ids`` from the prompt uids, ``logprobs`` = the old-log-prob pass, ``entropy`` when the step
+computed it), the advantages verl's estimator gave (calibrators run per micro-batch in the actor's
+loss; ``inspect`` replays them on these signals), tokens, texts, the prompts' last user message,
+and the spec's configs and state.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Dict
+
+import torch
+
+__all__ = ["RECORD_FIELDS", "rollouts_record"]
+
+#: the TransferQueue fields the record reads (``entropy`` only when the step computed it)
+RECORD_FIELDS = ["responses", "response_mask", "advantages", "rm_scores", "old_log_probs", "entropy", "uid", "raw_prompt"]
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    return x.to_padded_tensor(0.0) if getattr(x, "is_nested", False) else x
+
+
+def _question(messages: Any) -> str:
+    users = [dict(m) for m in list(messages) if dict(m).get("role") == "user"]
+    return str(users[-1]["content"]) if users else str(messages)
+
+
+def rollouts_record(data, tokenizer, credit, step: int) -> Dict[str, Any]:
+    """``data``: the TensorDict of :data:`RECORD_FIELDS` (rows of the step batch without verl's
+    padding samples); ``credit``: the driver's ``CreditPipeline`` (its configs and state)."""
+    present = set(data.keys())
+    missing = sorted({"responses", "response_mask", "advantages", "rm_scores", "old_log_probs", "uid", "raw_prompt"} - present)
+    if missing:
+        raise KeyError(f"rollouts record: verl's batch has no field(s) {missing} (it has {sorted(present)})")
+    uids = [str(u) for u in data["uid"]]
+    order = {u: j for j, u in enumerate(dict.fromkeys(uids))}
+    mask = _padded(data["response_mask"]).bool()
+    ids = _padded(data["responses"]).long()
+    signals = {
+        "response_mask": mask.long(),
+        "rewards": _padded(data["rm_scores"]).float().sum(-1),
+        "group_ids": torch.tensor([order[u] for u in uids]),
+        "logprobs": _padded(data["old_log_probs"]).float() * mask,
+    }
+    if "entropy" in present:
+        signals["entropy"] = _padded(data["entropy"]).float() * mask
+    decode = tokenizer.decode
+    return {
+        "credit": credit.name,
+        "credit_configs": {k: dataclasses.asdict(c) for k, c in credit.configs.items()},
+        "credit_state": copy.deepcopy(credit.state_dict()),
+        "step": int(step),
+        "signals": signals,
+        "advantages": _padded(data["advantages"]).float() * mask,
+        "token_weights": None,
+        "response_ids": ids,
+        "tokens": [[decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, mask)],
+        "texts": [decode([int(t) for t, m in zip(row, mrow) if m], skip_special_tokens=True) for row, mrow in zip(ids, mask)],
+        "questions": [_question(m) for m in data["raw_prompt"]],
+    }
