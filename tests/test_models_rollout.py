@@ -362,3 +362,30 @@ def test_shared_prompt_prefill_changes_nothing(temperature):
         torch.testing.assert_close(shared.response_ids, plain.response_ids, atol=0, rtol=0)
         torch.testing.assert_close(shared.behaviour_logprobs, plain.behaviour_logprobs, atol=1e-5, rtol=0)
         assert shared.texts == plain.texts
+
+
+def test_capped_rollout_buckets_prompts_by_length_and_pads_each_call_to_its_own():
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    short, long = "1+2=", "12345+67890+13579="
+    prompts = [[{"role": "user", "content": c}] for c in (short, long, "3+4=", long + "1")]
+    widths, real = [], model.generate
+
+    def spy(*a, **k):
+        widths.append((k["input_ids"].shape, int(k["attention_mask"].sum(1).min())))
+        return real(*a, **k)
+
+    model.generate = spy
+    rb = HFRollout(model, tok, max_batch_size=4).generate(prompts, num_samples=2, max_new_tokens=3, temperature=1.0, seed=0)
+    lens = [len(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)) for p in prompts]
+    # two calls of 4 rows: the two short prompts' samples, then the two long ones', each padded to its own longest
+    assert [w[0][0] for w in widths] == [4, 4]
+    assert widths[0][0][1] < widths[1][0][1] == rb.prompt_len
+    assert widths[0][1] >= widths[0][0][1] - 1 and widths[1][1] >= widths[1][0][1] - 1
+    assert rb.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and lens[1] > lens[0]
+    # rows come back in the prompts' order, with their own responses and log-probs
+    model.generate = real
+    torch.manual_seed(0)
+    ref = HFRollout(model, tok, max_batch_size=None).generate(prompts, num_samples=2, max_new_tokens=3, temperature=0.0)
+    got = HFRollout(model, tok, max_batch_size=4).generate(prompts, num_samples=2, max_new_tokens=3, temperature=0.0)
+    assert torch.equal(got.response_ids, ref.response_ids)
+    torch.testing.assert_close(got.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5, rtol=1e-4)

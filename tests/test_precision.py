@@ -92,3 +92,14 @@ def test_bf16_rollout_copy_follows_weight_changes_when_told():
     assert copy_w.dtype == torch.bfloat16 and torch.equal(copy_w, w.detach().to(torch.bfloat16))
     with pytest.raises(ValueError, match="dtype: expected a floating torch dtype or None, got torch.int64"):
         HFRollout(model, tok, dtype=torch.int64)
+
+
+def test_a_run_written_before_the_new_fields_resumes_at_their_old_equivalent():
+    from tokencredit.config import TrainConfig, config_diff, config_to_dict
+
+    new = json.loads(json.dumps(config_to_dict(TrainConfig())))
+    old = json.loads(json.dumps(new))
+    del old["precision"], old["optim"]["one_pass"], old["rollout"]["max_batch_size"]
+    assert config_diff(old, new) == []
+    changed = dict(new, precision="bf16")
+    assert config_diff(old, changed) == ["precision: None -> 'bf16'"]

@@ -234,6 +234,7 @@ OUT_OF_RANGE = {
     "output_dir": st.sampled_from([__file__, os.path.join(__file__, "sub")]),  # a file, under a file
     "device": st.sampled_from(["gpu", "cuda0", "tpu", "CPU"]),
     "threads": _INT_LE0,
+    "precision": st.sampled_from(["fp16", "BF16", "half"]),
     "save_every": _INT_LE0,
     "keep_last": _INT_LE0,
     "resume": None,
@@ -268,6 +269,7 @@ OUT_OF_RANGE = {
     "rollout.prompts_per_step": _INT_LE0,
     "rollout.samples_per_prompt": st.integers(max_value=1),
     "rollout.max_new_tokens": _INT_LE0,
+    "rollout.max_batch_size": _INT_LE0,
     "rollout.temperature": _FLOAT_LT0,
     "rollout.top_p": st.one_of(_FLOAT_LE0, st.floats(min_value=1.0001, allow_nan=False, allow_infinity=False)),
     "optim.lr": _FLOAT_LE0,
@@ -279,6 +281,7 @@ OUT_OF_RANGE = {
     "optim.micro_batch_size": _INT_LE0,
     "optim.ppo_epochs": _INT_LE0,
     "optim.fused_adamw": None,
+    "optim.one_pass": None,
     "loss.policy_loss": st.sampled_from(["nope", "PPO", "grpo"]),
     "loss.agg_mode": st.sampled_from(["mean", "token_mean", "seq-mean"]),
     "loss.norm_constant": _FLOAT_LE0,

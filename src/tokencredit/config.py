@@ -88,7 +88,7 @@ FIELD_RANGES: Dict[str, _Range] = {
     "reward.max_failing_steps": _GE1, "reward.clipped_warn_ratio": _Range(0, 1, lo_open=True),
     "rollout.prompts_per_step": _GE1,
     "rollout.samples_per_prompt": _Range(2),  # group methods need a group
-    "rollout.max_new_tokens": _GE1, "rollout.temperature": _GE0, "rollout.top_p": _Range(0, 1, lo_open=True),
+    "rollout.max_new_tokens": _GE1, "rollout.max_batch_size": _GE1, "rollout.temperature": _GE0, "rollout.top_p": _Range(0, 1, lo_open=True),
     "optim.lr": _GT0, "optim.weight_decay": _GE0, "optim.betas": _Range(0, 1, hi_open=True),
     "optim.warmup_steps": _GE0, "optim.max_grad_norm": _GT0, "optim.micro_batch_size": _GE1, "optim.ppo_epochs": _GE1,
     "loss.norm_constant": _GT0, "loss.clip_low": _Range(0, 1, hi_open=True), "loss.clip_high": _GE0,
@@ -320,6 +320,10 @@ class RolloutConfig:
     max_new_tokens: int = 32  # generation budget per response
     temperature: float = 0.7  # ecosystem: T=1.0 removes almost all signal on a 135M model
     top_p: float = 1.0  # nucleus sampling (1.0: off)
+    # rows per generate call (a step's prompts x samples, or eval's prompts, in as few calls as
+    # this allows; prompts bucketed by length). Decode tokens/s grows with the batch up to ~64-128
+    # rows on a CPU (benchmarks/decode.py); the returned logits take rows x max_new_tokens x vocab floats
+    max_batch_size: int = 64
 
 
 @dataclass
@@ -332,6 +336,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0  # gradient-norm clip
     micro_batch_size: int = 8  # responses per forward/backward; gradients accumulate over the batch
     ppo_epochs: int = 1  # optimizer steps per rollout batch, each against the rollout's log-probs
+    # with ppo_epochs=1, the policy pass's signals (old log-probs, entropy, top-1 probability) come
+    # from the update's own forward, detached, instead of a separate no-grad pass
+    # (passes.update_gives); holds every micro-batch's graph until the credit is computed
+    one_pass: bool = True
     # torch's fused AdamW kernel (one pass over each parameter instead of a dozen foreach
     # kernels: 0.16 s against 0.67 s per step for SmolLM2-135M on one CPU thread); the update is
     # the same algorithm. Turned off by hand, or automatically on devices without the kernel.
@@ -832,6 +840,12 @@ SAFE_TO_CHANGE = frozenset(
 )
 
 
+#: fields added after runs were written, at the value under which such a run trains as it did
+#: (fp32; one_pass gives the separate pass's values up to float rounding; a step of <= 64 rows
+#: is still one generate call)
+LATER_FIELDS = {"precision": "fp32", "optim.one_pass": True, "rollout.max_batch_size": 64}
+
+
 def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANGE, prefix: str = "") -> List[str]:
     """The differences between two configs as dicts (``config_to_dict``, or read back from JSON),
     one ``"field: old -> new"`` per field, leaving out the fields in ``ignore``.
@@ -848,6 +862,8 @@ def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANG
     for k in sorted(set(saved) | set(new)):
         if f"{prefix}{k}" in ignore:
             continue
+        if k not in saved and new.get(k) == LATER_FIELDS.get(f"{prefix}{k}", object()):
+            continue  # a field added after the run was written, at the value that trains as it did
         a, b = saved.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += config_diff(a, b, ignore, f"{prefix}{k}.")

@@ -12,7 +12,7 @@ responses, as ``forward.forward_response`` takes them) and, optionally, its own 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,7 +20,7 @@ from .forward import forward_response
 from .plan import SignalPlan
 from .signals import hidden_residual, token_signals
 
-__all__ = ["PassInputs", "PassModels", "run_passes", "oracle_texts", "join_prompts_and_responses"]
+__all__ = ["PassInputs", "PassModels", "run_passes", "oracle_texts", "join_prompts_and_responses", "update_gives"]
 
 
 @dataclass
@@ -51,6 +51,21 @@ Forward = Callable[..., Any]  # (model, ids, att, prompt_len, *, hidden) -> (h [
 
 def _default_forward(model, ids, att, prompt_len, *, hidden=False):
     return forward_response(model, ids, att, prompt_len, hidden=hidden)
+
+
+def update_gives(plan: SignalPlan, ppo_epochs: int) -> Tuple[str, ...]:
+    """The signals of ``plan``'s policy pass that the update's own forward can give instead (the
+    policy pass is then dropped), or ``()`` when the pass is needed.
+
+    With one epoch nothing changes the weights between the policy pass and the update, so the
+    update's forward over the same batch computes the same log-probs, entropy and top-1
+    probability (TRL's ``old_per_token_logps = per_token_logps.detach()``). The pass stays when
+    the plan keeps its hidden states (a critic, ARCA's residual with its adapter-off pass) or with
+    several epochs (later epochs need the pre-update values). Passes of another model or input
+    (adapter-off, reference, oracle) and a critic's post-update pass are not touched."""
+    if ppo_epochs != 1 or not plan.policy or plan.policy_hidden:
+        return ()
+    return plan.policy
 
 
 @torch.no_grad()

@@ -205,7 +205,9 @@ class HFRollout:
     """:class:`RolloutBackend` on ``model.generate`` (a transformers or peft causal LM).
 
     ``max_batch_size`` bounds the rows per ``generate`` call (the returned logits take
-    rows x new tokens x vocab floats); ``None`` generates all rows at once.
+    rows x new tokens x vocab floats); ``None`` generates all rows at once. When the rows need
+    several calls, prompts are bucketed by token length (a prompt's samples together) and each
+    call is padded to its own longest prompt.
     ``share_prompts`` runs the K copies of a prompt through the model once before generation
     (see :meth:`_shared_prefix`); False leaves generation entirely to ``generate``.
     Sampling uses the global torch RNG, or a private stream when ``seed`` is given (the
@@ -308,6 +310,15 @@ class HFRollout:
         _, cache = prompt_cache(self.generation_model(), ids, att, uniq.to(device), inverse.to(device))
         return {"past_key_values": cache}
 
+    @staticmethod
+    def _bucketed_rows(prompt_index: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
+        """The rows in the order their chunks are generated: prompts by token length (a prompt's
+        samples stay together), so that each ``max_batch_size`` chunk pads to similar lengths."""
+        by_len = torch.argsort(prompt_lengths, stable=True)
+        rank = torch.empty_like(by_len)
+        rank[by_len] = torch.arange(len(by_len))
+        return torch.argsort(rank[prompt_index] * len(prompt_index) + torch.arange(len(prompt_index)), stable=True)
+
     def _check(self, prompts, num_samples, max_new_tokens, temperature, top_p) -> None:
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise ValueError(f"prompts: expected a non-empty list of chat-message lists, got {type(prompts).__name__} {prompts!r:.80}")
@@ -368,6 +379,7 @@ class HFRollout:
         )
 
         step = self.max_batch_size or N
+        order = self._bucketed_rows(prompt_index, enc["attention_mask"].sum(1)) if N > step else torch.arange(N)
         chunks = []
         was_training = gen.training
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else contextlib.nullcontext()
@@ -377,32 +389,34 @@ class HFRollout:
                 if seed is not None:
                     torch.manual_seed(int(seed))
                 for s in range(0, N, step):
-                    ids = prompt_ids[s : s + step].to(device)
-                    att = prompt_mask[s : s + step].to(device)
-                    prefix = self._shared_prefix(enc, prompt_index[s : s + step], device) if self.share_prompts else {}
+                    rows = order[s : s + step]
+                    # a chunk is left-padded to its own longest prompt (bucketing keeps them alike)
+                    cP = int(prompt_mask[rows].sum(1).max())
+                    ids = prompt_ids[rows][:, P - cP :].to(device)
+                    att = prompt_mask[rows][:, P - cP :].to(device)
+                    cenc = {k: enc[k][:, P - cP :] for k in ("input_ids", "attention_mask")}
+                    prefix = self._shared_prefix(cenc, prompt_index[rows], device) if self.share_prompts else {}
                     out = gen.generate(
                         input_ids=ids, attention_mask=att, generation_config=gen_cfg,
                         logits_processor=[_finite_check_processor()], **prefix,
                     )
-                    resp = out.sequences[:, P:].cpu()
+                    resp = out.sequences[:, cP:].cpu()
                     lp = torch.zeros(resp.shape, dtype=torch.float32)
                     for t, logits in enumerate(out.logits):  # one [n, V] tensor per new token
                         logp = F.log_softmax(logits.float() / t_lp, dim=-1)
                         lp[:, t] = logp.gather(-1, resp[:, t : t + 1].to(logp.device)).squeeze(-1).cpu()
                     del out
-                    chunks.append((resp, lp))
+                    chunks.append((rows, resp, lp))
         finally:
             gen.train(was_training)
 
-        T = max(r.shape[1] for r, _ in chunks)
+        T = max(r.shape[1] for _, r, _ in chunks)
         response_ids = torch.full((N, T), pad, dtype=torch.long)
         behaviour = torch.zeros((N, T), dtype=torch.float32)
-        row = 0
-        for resp, lp in chunks:
-            n, t = resp.shape
-            response_ids[row : row + n, :t] = resp
-            behaviour[row : row + n, :t] = lp
-            row += n
+        for rows, resp, lp in chunks:
+            t = resp.shape[1]
+            response_ids[rows, :t] = resp
+            behaviour[rows, :t] = lp
         # A chunk shorter than T stopped early because every row in it had stopped, so the pad
         # after its end always comes after an EOS: the mask is right without knowing chunk ends.
         response_mask = response_mask_from_ids(response_ids, stop_ids)

@@ -190,7 +190,8 @@ class Trainer:
         from .precision import dtype_of
 
         # bf16: generation on a bf16 copy of the weights (re-synced after each optimizer step)
-        self.rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision))
+        self.rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision),
+                                 max_batch_size=cfg.rollout.max_batch_size)
 
         # -- run state ------------------------------------------------------------------
         self.step = 0
@@ -421,7 +422,17 @@ class Trainer:
         # 2. signals: the plan's passes (a step whose batch is saved for `inspect` computes every
         # signal the trainer can give, so that any method can be replayed on it)
         plan = self._inspect_plan() if self._saves_rollouts_this_step() else self.plan
+        # one epoch: the update's own forward gives the policy pass's signals (passes.update_gives)
+        from .passes import update_gives
+
+        fused = update_gives(plan, cfg.optim.ppo_epochs) if cfg.optim.one_pass else ()
+        if fused:
+            plan = dataclasses.replace(plan, policy=())
         sig = self._signals(batch, plan) if plan.passes else {}
+        pre = None
+        if fused:
+            pre = self._policy_forwards(batch, ("logprobs", "entropy") + tuple(k for k in fused if k not in ("logprobs", "entropy")))
+            sig.update({k: torch.cat([f[k].detach() for f in pre]) for k in fused})
         old_logprobs = sig.get("logprobs", batch.behaviour_logprobs)
 
         # 3. credit: stateful methods step their controller from this pre-update batch first and
@@ -438,7 +449,7 @@ class Trainer:
         metrics.update(credit_diagnostics(cb, credit))
 
         # 4. policy update
-        metrics.update(self._update_policy(batch, credit.advantages, old_logprobs, sig.get("ref_logprobs")))
+        metrics.update(self._update_policy(batch, credit.advantages, old_logprobs, sig.get("ref_logprobs"), pre=pre))
 
         # 5. critic update, after the actor (PACT's order; the declared critic says whether it
         # trains on the updated actor's pass)
@@ -454,9 +465,23 @@ class Trainer:
         self._last_batch = {"batch": batch, "credit_batch": cb, "credit": credit, "credit_state": credit_state}
         return metrics
 
-    def _update_policy(self, batch, adv, old_logprobs, ref_logprobs) -> Dict[str, float]:
-        from .losses import kl_penalty, aggregate
+    def _policy_forward(self, batch, sl: slice, want) -> Dict[str, torch.Tensor]:
+        """The update's forward of micro-batch ``sl`` (with grad): token signals ``want``."""
         from .signals import token_signals
+
+        with self._autocast():
+            _, logits = forward_response(self.model, batch.input_ids[sl], batch.attention_mask[sl], batch.prompt_len)
+        _check_finite(logits, "policy logits", self.step + 1, batch.response_mask[sl])
+        return token_signals(logits, batch.response_ids[sl], temperature=self._temperature(), want=want)
+
+    def _policy_forwards(self, batch, want) -> List[Dict[str, torch.Tensor]]:
+        """Every micro-batch's update forward, kept (with their graphs) for the update that the
+        credit computed from their detached signals will drive (``optim.one_pass``)."""
+        mb = self.cfg.optim.micro_batch_size
+        return [self._policy_forward(batch, slice(s, s + mb), want) for s in range(0, len(batch), mb)]
+
+    def _update_policy(self, batch, adv, old_logprobs, ref_logprobs, pre=None) -> Dict[str, float]:
+        from .losses import kl_penalty, aggregate
 
         cfg = self.cfg
         N, T = batch.response_ids.shape
@@ -478,12 +503,10 @@ class Trainer:
                 m = mask[sl]
                 if m.sum() == 0:
                     continue
-                with self._autocast():
-                    _, logits = forward_response(self.model, batch.input_ids[sl], batch.attention_mask[sl], P)
-                _check_finite(logits, "policy logits", self.step + 1, m)
-                # the first epoch's entropy (logged) comes out of the same pass over the logits
+                # the first epoch's entropy (logged) comes out of the same pass over the logits; with
+                # optim.one_pass its forward already ran (pre), before the credit
                 want = ("logprobs", "entropy") if epoch == 0 else ("logprobs",)
-                sig = token_signals(logits, batch.response_ids[sl], temperature=self._temperature(), want=want)
+                sig = pre[s // mb] if pre is not None and epoch == 0 else self._policy_forward(batch, sl, want)
                 lp = sig["logprobs"]
                 loss, lm = self.policy_loss(lp, old_logprobs[sl], adv[sl], m, self.policy_loss_cfg)
                 if cfg.loss.kl_coef > 0:
@@ -572,7 +595,7 @@ class Trainer:
                 failed[kind] += sc.failed[kind]
             return sc
 
-        chunk = 16
+        chunk = max(16, self.cfg.rollout.max_batch_size)  # prompts per greedy call (the rollout caps each call's rows)
         for s in range(0, len(ex), chunk):
             part = ex[s : s + chunk]
             rb = self._generate(part, num_samples=1, temperature=0.0)
