@@ -4,7 +4,7 @@ Both run the same algorithm on the same model, prompts and settings:
 
 * model: the embedded SmolLM2-135M-Instruct (``tokencredit.models.resolve_model(EMBEDDED)``), or
   with ``--tiny`` the 2-layer random Llama of ``tokencredit.testing`` (a quick check of the script);
-  fp32, ``--threads`` torch threads (and OMP/MKL threads) in both;
+  ``--threads`` torch threads (and OMP/MKL threads) in both;
 * prompts: ``tokencredit.tasks.make_task(--task)``'s train split, in the order tokencredit's trainer
   draws them (TRL gets them in that order with ``shuffle_dataset=False``), so step i of both sees
   the same ``--prompts`` prompts; ``--generations`` samples each, at most ``--max-new-tokens`` new
@@ -14,7 +14,11 @@ Both run the same algorithm on the same model, prompts and settings:
   ``loss_type="dapo"``, the same aggregation), no KL (``beta=0``), one optimizer step per
   generation batch in one micro-batch (``per_device_train_batch_size = prompts x generations``,
   no gradient accumulation), AdamW (0.9, 0.99), constant learning rate, grad-norm clip 1.0;
-* TRL at its fastest on a CPU: ``use_cpu=True``, ``bf16=False``, activation (gradient)
+* precision: ours at ``--precision`` (default auto: bf16 on a CPU with bf16 matrix units) and at
+  fp32; TRL at the same precision (bf16: ``bf16=True`` with ``use_cpu=True``, i.e. bf16 autocast,
+  its fastest setting that runs on a CPU) and at fp32; printed as ``ratio equal-precision X`` and
+  ``ratio fp32 X`` (ours / TRL, seconds per step), with each worker's peak RSS;
+* TRL otherwise at its fastest on a CPU: ``use_cpu=True``, activation (gradient)
   checkpointing off (TRL's default is on), no completion logging, no checkpoints, its default
   fused AdamW, no reference model.
 
@@ -137,6 +141,7 @@ def run_ours(args) -> Dict[str, Any]:
             output_dir=out,
             device="cpu",
             threads=args.threads,
+            precision=args.precision,
             rollout=RolloutConfig(
                 prompts_per_step=args.prompts, samples_per_prompt=args.generations,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0,
@@ -171,7 +176,8 @@ def run_ours(args) -> Dict[str, Any]:
     expected = _prompt_order(task, args.seed, args.steps * args.prompts)
     return {
         "trainer": "tokencredit", "step_s": times, "cpu_s": cpu, "tokens": tokens, "phases": phases.steps,
-        "same_prompts": drawn == expected, "threads": torch.get_num_threads(),
+        "same_prompts": drawn == expected, "threads": torch.get_num_threads(), "precision": trainer.cfg.precision,
+        "rss_peak_mb": _rss_peak_mb(),
     }
 
 
@@ -215,7 +221,7 @@ def run_trl(args) -> Dict[str, Any]:
     n = args.prompts * args.generations
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False, **checkpointing_args(False),
+            output_dir=out, use_cpu=True, bf16=args.trl_bf16, fp16=False, **checkpointing_args(False),
             per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=args.generations,
             max_completion_length=args.max_new_tokens, max_steps=args.steps, num_iterations=1,
             temperature=args.temperature, top_p=1.0, top_k=0,
@@ -240,8 +246,15 @@ def run_trl(args) -> Dict[str, Any]:
     return {
         "trainer": "trl", "step_s": timer.steps, "cpu_s": timer.cpu, "tokens": tokens, "phases": phases.steps,
         "trl_step_time": [h.get("step_time") for h in logs], "same_prompts": True,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "precision": "bf16" if args.trl_bf16 else "fp32",
+        "rss_peak_mb": _rss_peak_mb(),
     }
+
+
+def _rss_peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -253,6 +266,7 @@ def _worker_cmd(args, which: str) -> List[str]:
         cmd.append("--tiny")
     if args.profile:
         cmd.append("--profile")
+    cmd += ["--precision", args.precision] + (["--trl-bf16"] if args.trl_bf16 else [])
     return cmd
 
 
@@ -313,6 +327,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="time per phase as well")
     p.add_argument("--only", choices=("ours", "trl"), help="run one trainer only")
     p.add_argument("--json", help="also write the raw results here")
+    p.add_argument("--precision", default="auto", choices=("fp32", "bf16", "auto"),
+                   help="ours: --precision (auto: bf16 where the CPU has bf16 matrix units); TRL runs at the "
+                        "same precision (bf16=True with use_cpu=True: its fastest CPU setting) and, in any case, at fp32")
+    p.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 2:
@@ -325,36 +343,45 @@ def main(argv=None) -> int:
         _emit(run_ours(args) if args.worker == "ours" else run_trl(args))
         return 0
 
+    from tokencredit.precision import resolve_precision
+
+    prec = resolve_precision(args.precision, "cpu")
     model = "tiny random Llama" if args.tiny else "SmolLM2-135M-Instruct (embedded)"
     print(
-        f"{model}, fp32, {args.threads} threads, task {args.task}: {args.prompts} prompts x {args.generations} "
-        f"generations, <= {args.max_new_tokens} new tokens, {args.steps} steps (first = warm-up)",
+        f"{model}, ours at --precision {args.precision} (= {prec}) and fp32, TRL at {prec} and fp32, "
+        f"{args.threads} threads, task {args.task}: {args.prompts} prompts x {args.generations} "
+        f"generations, <= {args.max_new_tokens} new tokens, {args.steps} steps (first = warm-up); load average "
+        f"{open('/proc/loadavg').read().split()[0]}",
         flush=True,
     )
+    runs = [("ours", prec), ("trl", prec)] + ([("ours", "fp32"), ("trl", "fp32")] if prec != "fp32" else [])
     results = {}
-    for which in ("ours", "trl"):
+    for which, pr in runs:
         if args.only and args.only != which:
             continue
-        results[which] = _run_worker(args, which)
-        r, s = results[which], _summary(results[which])
+        wargs = argparse.Namespace(**{**vars(args), "precision": pr, "trl_bf16": which == "trl" and pr == "bf16"})
+        results[which, pr] = r = _run_worker(wargs, which)
+        s = _summary(r)
         print(
-            f"  {r['trainer']:<12} {s['s_per_step']:7.2f} s/step, CPU {s['cpu_s_per_step']:.2f} s/step "
+            f"  {r['trainer']:<12} {pr:<5} {s['s_per_step']:7.2f} s/step, CPU {s['cpu_s_per_step']:.2f} s/step "
             f"({s['tokens_per_step']:.0f} generated tokens/step, "
             f"{s['s_per_1k_tokens']:.2f} s per 1k tokens; steps {', '.join(f'{x:.2f}' for x in r['step_s'])} s; "
-            f"worker {r['wall_s']:.0f} s, {r['threads']} threads)",
+            f"worker {r['wall_s']:.0f} s, {r['threads']} threads, peak RSS {r['rss_peak_mb']:.0f} MiB)",
             flush=True,
         )
         if not r["same_prompts"]:
             print("  WARNING: tokencredit drew other prompts than the order given to TRL", flush=True)
         if args.profile:
             _print_phases(r)
-    if len(results) == 2:
-        a, b = _summary(results["ours"]), _summary(results["trl"])
-        print(f"ratio ours / TRL: {a['s_per_step'] / b['s_per_step']:.2f}x per step, "
-              f"{a['s_per_1k_tokens'] / b['s_per_1k_tokens']:.2f}x per generated token (target <= 0.8x)")
+    for label, pr in (("equal-precision", prec), ("fp32", "fp32")):
+        if ("ours", pr) in results and ("trl", pr) in results:
+            a, b = _summary(results["ours", pr]), _summary(results["trl", pr])
+            print(f"per generated token ({label}, {pr}): ours / TRL {a['s_per_1k_tokens'] / b['s_per_1k_tokens']:.2f}x")
+            print(f"ratio {label} {a['s_per_step'] / b['s_per_step']:.2f}")
+    print(f"load average at the end {open('/proc/loadavg').read().split()[0]} (ratios are ours / TRL per step; target <= 0.4)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "results": {f"{w}-{p}": r for (w, p), r in results.items()}}, f, indent=1)
     return 0
 
 
