@@ -19,14 +19,15 @@ from typing import Any, Dict
 
 import torch
 
-__all__ = ["RECORD_FIELDS", "rollouts_record"]
+__all__ = ["RECORD_FIELDS", "padded", "rollouts_record"]
 
 #: the TransferQueue fields the record reads (``entropy`` only when the step computed it)
 RECORD_FIELDS = ["responses", "response_mask", "advantages", "rm_scores", "old_log_probs", "entropy", "uid", "raw_prompt"]
 
 
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    return x.to_padded_tensor(0.0) if getattr(x, "is_nested", False) else x
+def padded(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """A nested (jagged) TensorDict field as a right-padded tensor; a padded one as it is."""
+    return x.to_padded_tensor(value) if getattr(x, "is_nested", False) else x
 
 
 def _question(messages: Any) -> str:
@@ -43,16 +44,16 @@ def rollouts_record(data, tokenizer, credit, step: int) -> Dict[str, Any]:
         raise KeyError(f"rollouts record: verl's batch has no field(s) {missing} (it has {sorted(present)})")
     uids = [str(u) for u in data["uid"]]
     order = {u: j for j, u in enumerate(dict.fromkeys(uids))}
-    mask = _padded(data["response_mask"]).bool()
-    ids = _padded(data["responses"]).long()
+    mask = padded(data["response_mask"]).bool()
+    ids = padded(data["responses"]).long()
     signals = {
         "response_mask": mask.long(),
-        "rewards": _padded(data["rm_scores"]).float().sum(-1),
+        "rewards": padded(data["rm_scores"]).float().sum(-1),
         "group_ids": torch.tensor([order[u] for u in uids]),
-        "logprobs": _padded(data["old_log_probs"]).float() * mask,
+        "logprobs": padded(data["old_log_probs"]).float() * mask,
     }
     if "entropy" in present:
-        signals["entropy"] = _padded(data["entropy"]).float() * mask
+        signals["entropy"] = padded(data["entropy"]).float() * mask
     decode = tokenizer.decode
     return {
         "credit": credit.name,
@@ -60,7 +61,7 @@ def rollouts_record(data, tokenizer, credit, step: int) -> Dict[str, Any]:
         "credit_state": copy.deepcopy(credit.state_dict()),
         "step": int(step),
         "signals": signals,
-        "advantages": _padded(data["advantages"]).float() * mask,
+        "advantages": padded(data["advantages"]).float() * mask,
         "token_weights": None,
         "response_ids": ids,
         "tokens": [[decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, mask)],

@@ -70,7 +70,7 @@ from .core import (
     tokencredit_value_loss,
 )
 from .oracle import oracle_prompt_ids, oracle_samples, response_logprobs, teacher_response_logprobs
-from .record import RECORD_FIELDS, rollouts_record
+from .record import RECORD_FIELDS, padded, rollouts_record
 
 __all__ = [
     "TokenCreditPPOTrainerSync",
@@ -348,10 +348,6 @@ def load_credit_state(folder: str, credit: CreditPipeline) -> bool:
     return True
 
 
-def _padded(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
-    return x.to_padded_tensor(value) if getattr(x, "is_nested", False) else x
-
-
 def _rows_to_width(rows, real, batch_size: int, width: int) -> torch.Tensor:
     """Per-row response log-probs laid out right-padded as [batch_size, width]; rows not in
     ``real`` (verl's synthetic padding samples) are 0."""
@@ -520,7 +516,7 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         try:
             self.actor_rollout_wg.compute_log_prob(meta)
             out = tq.kv_batch_get(keys=okeys, partition_id=ORACLE_PARTITION, select_fields=["log_probs", "response_mask"])
-            lp = _padded(response_from_nested(out["log_probs"], out["response_mask"]))
+            lp = padded(response_from_nested(out["log_probs"], out["response_mask"]))
         finally:
             tq.kv_clear(keys=okeys, partition_id=ORACLE_PARTITION)
         if lp.shape[1] < width:
@@ -559,9 +555,9 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         self.actor_rollout_wg.compute_log_prob(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["log_probs", "old_log_probs", "response_mask"])
-        new = _padded(response_from_nested(data["log_probs"], data["response_mask"]))
-        old = _padded(data["old_log_probs"])
-        mask = _padded(data["response_mask"])
+        new = padded(response_from_nested(data["log_probs"], data["response_mask"]))
+        old = padded(data["old_log_probs"])
+        mask = padded(data["response_mask"])
         w = self.tokencredit_plan.critic.is_weights(new, old, mask)
         m = mask.bool()
         metrics["tokencredit/critic_is_kept"] = float(((w > 0) & m).sum() / m.sum().clamp_min(1))
