@@ -337,3 +337,46 @@ def test_cli_compare(tmp_path, monkeypatch, capsys):
                        (["--credit", "grpo", "--seed", "3"], "--seed")]:
         with pytest.raises(SystemExit, match=re.escape(field)):
             main(["compare", "--output-dir", str(out)] + bad)
+
+
+class _NoTraining:
+    """A trainer that builds nothing and reaches its last step at once; records the configs."""
+
+    configs: list = []
+
+    def __init__(self, cfg):
+        self.cfg, self.step = cfg, 0
+        self.configs.append(cfg)
+
+    def train(self):
+        self.step = self.cfg.steps
+
+
+def test_compare_parses_each_spec_once(tmp_path, monkeypatch):
+    """The command line, the runs' configs, the credit_args check and the report share one parse
+    of each spec (a TrainConfig checking its own ``credit`` field when built is not compare's)."""
+    import sys
+
+    import tokencredit.spec as spec_module
+    from tokencredit.cli import main
+
+    real, calls = spec_module.parse_spec, []
+
+    def counting(spec):
+        if sys._getframe(1).f_code.co_name != "check_fields":
+            calls.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(spec_module, "parse_spec", counting)
+    monkeypatch.setattr(compare, "_default_trainer", _NoTraining)
+    monkeypatch.setattr(_NoTraining, "configs", [])
+    out = tmp_path / "cli"
+    assert main(["compare", "--credit", "grpo,rloo+taco,dapo", "--seeds", "0,1", "--output-dir", str(out), "--steps", "1",
+                 "--credit-config.taco.lam", "0.5", "--quiet"]) == 0
+    assert sorted(calls) == ["grpo", "grpo", "rloo+taco"]  # dapo is the recipe of grpo
+    runs = sorted((Path(c.output_dir).parent.name, c.seed, c.credit, c.credit_config.taco.lam == 0.5) for c in _NoTraining.configs)
+    assert runs == [("dapo", 0, "grpo", False), ("dapo", 1, "grpo", False), ("grpo", 0, "grpo", False), ("grpo", 1, "grpo", False),
+                    ("rloo+taco", 0, "rloo+taco", True), ("rloo+taco", 1, "rloo+taco", True)]
+    calls.clear()
+    assert main(["compare", "--output-dir", str(out), "--report-only"]) == 0
+    assert sorted(calls) == ["grpo", "grpo", "rloo+taco"]

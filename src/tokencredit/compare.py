@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 __all__ = [
     "METRICS",
     "SummaryRow",
+    "CompareSpec",
     "parse_specs",
     "parse_seeds",
     "run_dir_name",
@@ -62,34 +63,63 @@ METRICS: Tuple[Tuple[str, str], ...] = (
 # input
 
 
-def parse_specs(value: Any, field_name: str = "--credit") -> List[str]:
-    """``"grpo,taco,oppo+stare"`` (or a list) -> validated credit specs or recipe names.
+class CompareSpec(str):
+    """One entry of ``--credit`` (a credit spec or a recipe name), parsed once: the text the
+    user wrote (this string, which names the run directory and the report's row), the credit
+    spec it stands for (``credit``; a recipe's spec) and its methods' names (``methods``).
+
+    :func:`parse_specs` returns these; the rest of a ``compare`` call reads ``methods`` instead
+    of parsing the spec again."""
+
+    credit: str
+    methods: Tuple[str, ...]
+
+    def __new__(cls, text: str) -> "CompareSpec":
+        from .config import RECIPES
+        from .spec import parse_spec
+
+        self = super().__new__(cls, text)
+        self.credit = RECIPES[text]["credit"] if text in RECIPES else text
+        self.methods = tuple(m.name for m in parse_spec(self.credit))
+        return self
+
+    def __reduce__(self):
+        return (CompareSpec, (str(self),))
+
+
+def _parsed(spec: str) -> CompareSpec:
+    """``spec`` as a :class:`CompareSpec`: as given when it is one, parsed otherwise."""
+    return spec if isinstance(spec, CompareSpec) else CompareSpec(spec)
+
+
+def parse_specs(value: Any, field_name: str = "--credit") -> List[CompareSpec]:
+    """``"grpo,taco,oppo+stare"`` (or a list) -> validated credit specs or recipe names, each a
+    :class:`CompareSpec` (a ``str``) parsed once; entries that already are one are not parsed again.
 
     Raises ValueError naming ``field_name`` for an empty list, an unknown method, a malformed
     spec, or the same spec given twice (also under two spellings, ``taco`` and ``grpo+taco``).
     """
     from .config import RECIPES
-    from .spec import parse_spec
 
     items = value.split(",") if isinstance(value, str) else list(value or [])
-    specs = [str(s).strip() for s in items]
-    if not specs or all(not s for s in specs):
+    texts = [s if isinstance(s, CompareSpec) else str(s).strip() for s in items]
+    if not texts or all(not s for s in texts):
         raise ValueError(f"{field_name}: expected a comma-separated list of credit specs (e.g. grpo,taco), got {value!r}")
-    if any(not s for s in specs):
+    if any(not s for s in texts):
         raise ValueError(f"{field_name}: empty entry in {value!r}")
+    specs: List[CompareSpec] = []
     seen: Dict[str, str] = {}
-    for s in specs:
-        if s in RECIPES:
-            canon = f"recipe:{s}"
-        else:
-            try:
-                canon = "+".join(m.name for m in parse_spec(s))
-            except (KeyError, ValueError) as e:
-                msg = e.args[0] if e.args else str(e)
-                raise ValueError(f"{field_name}: bad credit spec {s!r}: {msg}") from None
+    for s in texts:
+        try:
+            spec = _parsed(s)
+        except (KeyError, ValueError) as e:
+            msg = e.args[0] if e.args else str(e)
+            raise ValueError(f"{field_name}: bad credit spec {s!r}: {msg}") from None
+        canon = f"recipe:{s}" if s in RECIPES else "+".join(spec.methods)
         if canon in seen:
             raise ValueError(f"{field_name}: {seen[canon]!r} and {s!r} are the same credit spec ({canon}); give it once")
         seen[canon] = s
+        specs.append(spec)
     names = {}
     for s in specs:
         d = run_dir_name(s)
@@ -428,20 +458,14 @@ def _default_trainer(cfg):
 
 def _filter_credit_args(credit_args: Iterable[str], spec: str) -> Tuple[str, ...]:
     """The ``method.field=value`` overrides that concern ``spec``'s methods."""
-    from .config import RECIPES
-    from .spec import parse_spec
-
-    names = {m.name for m in parse_spec(RECIPES[spec]["credit"] if spec in RECIPES else spec)}
+    names = set(_parsed(spec).methods)
     return tuple(a for a in credit_args if a.split("=", 1)[0].split(".", 1)[0] in names)
 
 
 def _check_credit_args(credit_args: Sequence[str], specs: Sequence[str], credit_config=None) -> None:
-    from .config import RECIPES, _set_methods, parse_credit_args
-    from .spec import parse_spec
+    from .config import _set_methods, parse_credit_args
 
-    used = set()
-    for s in specs:
-        used |= {m.name for m in parse_spec(RECIPES[s]["credit"] if s in RECIPES else s)}
+    used = {name for s in specs for name in _parsed(s).methods}
     unknown = sorted(set(parse_credit_args(credit_args)) - used)
     if unknown:
         raise ValueError(f"credit_args: overrides for {unknown}, which no spec of {list(specs)} uses")
@@ -451,16 +475,20 @@ def _check_credit_args(credit_args: Sequence[str], specs: Sequence[str], credit_
 
 
 def run_config(base, spec: str, seed: int, output_dir: Path):
-    """The TrainConfig of one run: ``base`` with this spec, seed and directory."""
-    from .config import RECIPES, apply_recipe, credit_config_for
+    """The TrainConfig of one run: ``base`` with this spec, seed and directory; the
+    ``credit_config`` settings of methods outside the spec are back at their defaults."""
+    from .config import apply_recipe
 
+    spec = _parsed(spec)
+    section = base.credit_config
+    own = {f.name for f in dataclasses.fields(section)} & set(spec.methods)
     cfg = dataclasses.replace(
         copy.deepcopy(base),  # runs share no nested config object
-        credit=spec,
+        credit=str(spec),
         seed=seed,
         output_dir=str(run_path(output_dir, spec, seed)),
         credit_args=_filter_credit_args(base.credit_args, spec),
-        credit_config=credit_config_for(base.credit_config, RECIPES[spec]["credit"] if spec in RECIPES else spec),
+        credit_config=copy.deepcopy(type(section)(**{n: getattr(section, n) for n in own})),
         resume=False,
     )
     return apply_recipe(cfg)
