@@ -1,4 +1,4 @@
-"""The exact tier (fidelity_exact): V by enumerating every continuation of a restricted policy,
+"""The exact tier (tokencredit.fidelity.exact): V by enumerating every continuation of a restricted policy,
 checked against an independent brute-force sum on the tiny model, and scored as a fidelity file
 whose split-half reference is exactly 1."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokencredit.fidelity import FidelityConfig, load_estimates, score, token_credit
-from tokencredit.fidelity_exact import RestrictedPolicy, digit_vocabulary, exact_estimates, exact_tree, tree_values
+from tokencredit.fidelity.exact import RestrictedPolicy, digit_vocabulary, exact_estimates, exact_tree, tree_values
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_the_bundled_exact_set():
     the digits and its end token; V is exact, so the split-half reference and the rank correlation
     perfect credit would reach are 1; every response to one prompt starts from the same root V;
     only the methods that need an adapter, a reference or a critic are not scored."""
-    from tokencredit.fidelity_exact import REFERENCE_EXACT
+    from tokencredit.fidelity import REFERENCE_EXACT
 
     est = load_estimates(REFERENCE_EXACT)
     assert est["settings"]["exact"] and est["settings"]["M"] == 2

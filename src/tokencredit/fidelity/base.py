@@ -1,6 +1,6 @@
-"""The estimates file's format and the batch it is of: shared by :mod:`tokencredit.fidelity`
-(Monte Carlo estimates, scores) and :mod:`tokencredit.fidelity_exact` (the exact tier), so that
-neither imports the other's machinery (no import cycle)."""
+"""What every part of the fidelity package shares: the estimates file's format tag, the error
+type, the batch's response rows and fingerprint, the positions whose V is estimated, and where
+the bundled sets are (``tokencredit/data``, shipped as package data)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,24 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["FORMAT", "FidelityError", "batch_fingerprint", "response_rows"]
+__all__ = ["FORMAT", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_TOKENS", "batch_fingerprint",
+           "mc_positions", "response_rows"]
 
 FORMAT = "tokencredit-fidelity/1"
+
+_DATA = Path(__file__).parent.parent / "data"
+#: the bundled span set: V every 4th position of a 64-response batch (``scripts/build_fidelity_set.py``)
+REFERENCE_SET = _DATA / "fidelity_reference.pt"
+#: the same batch, V at every position (credit per token) for the first groups of responses
+REFERENCE_TOKENS = _DATA / "fidelity_reference_tokens.pt"
+#: the bundled exact set (``tokencredit fidelity --reference exact``; docs/fidelity.md)
+REFERENCE_EXACT = _DATA / "fidelity_exact_mul1.pt"
+REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " + str(REFERENCE_EXACT)
+                           + " --prompts 32 --samples 4 --max-new-tokens 3 --temperature 1.0 --threads 1")
 
 
 class FidelityError(ValueError):
@@ -48,3 +59,16 @@ def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def mc_positions(length: int, stride: int) -> List[int]:
+    """Positions whose V is estimated: 0, stride, 2*stride, ... below ``length``."""
+    return list(range(0, max(int(length), 1), int(stride)))
+
+
+def _check_rows(rows: Optional[Sequence[int]], B: int) -> List[int]:
+    """The responses to estimate: all, or ``rows`` if they are distinct indices of the batch."""
+    chosen = list(range(B)) if rows is None else [int(b) for b in rows]
+    if len(set(chosen)) != len(chosen) or any(not 0 <= b < B for b in chosen):
+        raise FidelityError(f"rows: expected distinct response indices in 0..{B - 1}, got {list(rows)}")
+    return chosen

@@ -15,24 +15,19 @@ entropy and mode probability of the restricted distribution, the token ids, and 
 log-probs of the policy on the oracle prompt), and writes a fidelity estimates file whose
 ``samples`` hold the exact V twice (M = 2): :func:`tokencredit.fidelity.score` scores it as it
 scores a Monte Carlo file, and its split-half reference is exactly 1 (no noise ceiling).
+``tokencredit fidelity build --task T --exact`` (:mod:`.cli`) builds one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .fidelity_base import FORMAT, FidelityError, _atomic_save, batch_fingerprint
+from .base import FORMAT, FidelityError, batch_fingerprint
 
-__all__ = ["RestrictedPolicy", "digit_vocabulary", "exact_tree", "tree_values", "exact_estimates", "REFERENCE_EXACT"]
-
-#: the bundled exact set (``tokencredit fidelity --reference exact``; docs/fidelity.md)
-REFERENCE_EXACT = Path(__file__).parent / "data" / "fidelity_exact_mul1.pt"
-REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " + str(REFERENCE_EXACT)
-                           + " --prompts 32 --samples 4 --max-new-tokens 3 --temperature 1.0 --threads 1")
+__all__ = ["RestrictedPolicy", "digit_vocabulary", "exact_tree", "tree_values", "exact_estimates"]
 
 Node = Tuple[int, ...]
 
@@ -77,7 +72,7 @@ class RestrictedPolicy:
         """``[len(nodes), len(allowed)]`` float64 log pi_R(. | prompt + node); nodes of one length.
         The prompt runs once per chunk and its KV cache is indexed out to the chunk's nodes
         (:func:`tokencredit.forward.prompt_cache`), so only the nodes' own tokens are forwarded."""
-        from .forward import prompt_cache
+        from ..forward import prompt_cache
 
         out = []
         idx = torch.tensor(list(self.allowed))
@@ -157,13 +152,17 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
 
     ``examples``: objects with ``messages`` (chat messages), ``question`` and ``answer``;
     ``reward(text, example)`` scores a decoded response. ``oracle_prompt(question, answer)``
-    (default: OPPO's) gives the oracle log-probs of the same responses."""
-    from .methods.opd import oracle_prompt as default_oracle
+    gives the oracle log-probs of the same responses (default: the self-oracle prompt a
+    trainer's signal plan uses, :meth:`tokencredit.plan.SignalPlan.with_signals`). The batch is
+    labelled with the trainer's default credit (``TrainConfig.credit``), as a batch that
+    ``fidelity build --task`` samples."""
+    from ..config import TrainConfig
+    from ..plan import SignalPlan
 
     if allowed is None or stop is None:
         allowed, stop = digit_vocabulary(tokenizer)
     pol = RestrictedPolicy(model, list(allowed), list(stop), temperature)
-    oracle_prompt = oracle_prompt or default_oracle
+    oracle_prompt = oracle_prompt or SignalPlan.policy_only(hidden=False).with_signals({"oracle_logprobs"}).oracle.prompt
     gen = torch.Generator().manual_seed(int(seed))
 
     def encode(messages):
@@ -216,7 +215,7 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
             sig["oracle_logprobs"][b, t] = orc_rows[b][t]
             samples_t[b, t] = V_rows[b][t]
     saved = {
-        "credit": "grpo",
+        "credit": TrainConfig.credit,
         "signals": {"response_mask": mask, "rewards": torch.tensor(rewards, dtype=torch.float32),
                     "group_ids": torch.tensor(groups), "old_logprobs": sig["logprobs"].clone(), "token_ids": ids.clone(), **sig},
         "tokens": [[tokenizer.decode([y]) for y in row] for row in rows],
@@ -227,38 +226,3 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
     return {"format": FORMAT, "fingerprint": batch_fingerprint(saved), "settings": settings, "policy": policy,
             "rollouts": saved, "samples": samples_t, "cont_tokens": torch.zeros(B, T, dtype=torch.long),
             "build": {"exact_nodes": n_nodes, "vocabulary": [int(a) for a in pol.allowed]}}
-
-
-def build_from_task(a) -> int:
-    """``tokencredit fidelity build --task T --exact -o FILE``: the task's first ``--prompts``
-    training examples, ``--samples`` responses each from the model restricted to the digits and
-    its end token, exact V; written to ``a.output``."""
-    import time
-
-    from .models import EMBEDDED, load_frozen
-    from .tasks import make_task, score_safely
-
-    if a.rollouts is not None or a.task is None:
-        raise FidelityError("--exact: expected --task (the exact tier samples its own batch from the restricted policy), got ROLLOUTS")
-    if a.lora or a.rows or a.crn:
-        raise FidelityError("--exact: expected no --lora, --rows or --crn (every position of every response is exact)")
-    if a.threads:
-        torch.set_num_threads(int(a.threads))
-    task = make_task(a.task, seed=a.seed)
-    examples = list(task.train)[: a.prompts]
-    name = a.model or EMBEDDED
-    model, tok = load_frozen(name, field="--model")
-    t0 = time.perf_counter()
-
-    def reward(text, ex):
-        r, _ = score_safely(task.reward, text, ex, 5.0)
-        return r
-
-    est = exact_estimates(model, tok, examples, reward, samples=a.samples, max_new_tokens=a.max_new_tokens,
-                          temperature=a.temperature, seed=a.seed,
-                          policy=f"{name} restricted to the digits and its end token, T = {a.temperature} (exact tier)")
-    est["build"]["seconds"] = time.perf_counter() - t0
-    _atomic_save(est, Path(a.output))
-    print(f"exact estimates written to {a.output} ({est['build']['exact_nodes']} nodes, {est['build']['seconds']:.0f} s); "
-          f"score them with: tokencredit fidelity {a.output}")
-    return 0
