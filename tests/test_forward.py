@@ -118,3 +118,30 @@ def test_bad_prompt_len_is_named():
     ids, att = _batch(tok.pad_token_id)
     with pytest.raises(ValueError, match="prompt_len: expected 1 <= prompt_len < 11"):
         forward_response(model, ids, att, P + T)
+
+
+def test_prompt_pass_feeds_the_lm_head_a_contiguous_input_for_a_frozen_model():
+    # transformers' logits_to_keep=1 slices hidden[:, -1:, :], a strided view; for weights that
+    # do not require grad (a frozen reference or teacher, the rollout's bf16 copy) torch.matmul
+    # then runs the head as a bmm over the weight expanded to every row (a rows x vocab x hidden
+    # copy, most of a 128-row rollout's time). prompt_cache must hand the head a contiguous input.
+    from tokencredit.forward import prompt_cache
+
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    model.requires_grad_(False)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda mod, args: seen.append(args[0].is_contiguous()))
+    try:
+        ids = torch.randint(3, 60, (3, 7))
+        att = torch.ones_like(ids)
+        att[0, :2] = 0  # left padding on one row
+        with torch.no_grad():
+            out, cache = prompt_cache(model, ids, att, torch.tensor([0, 1, 2]), torch.tensor([0, 0, 1, 2]))
+    finally:
+        hook.remove()
+    assert seen == [True]
+    assert out.logits.shape[:2] == (3, 1)
+    # the logits are the last position's, as before
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp_min(0)).logits[:, -1:]
+    torch.testing.assert_close(out.logits, full, atol=1e-5, rtol=1e-5)
