@@ -610,6 +610,63 @@ def test_build_samples_its_own_batch_from_a_model_and_task_and_resumes(tmp_path,
         main(["fidelity", "build", str(tmp_path), "--model", "tiny", "-o", str(tmp_path / "x.pt")])
 
 
+def test_build_offers_only_flags_it_accepts_and_overwrite_moves_the_old_build_aside(tmp_path, monkeypatch, capsys):
+    """A build that cannot resume says so in one line, before any model loads, and offers
+    --overwrite, which `fidelity build` accepts: it starts again after moving the old estimates
+    file and the --task batch folder aside (nothing deleted), as `train --overwrite` does. Every
+    flag these messages name is one of the build's own options (not the trainer's --resume or
+    --output-dir)."""
+    import re
+
+    import tokencredit.models as models
+    from tokencredit.cli import main
+    from tokencredit.fidelity.cli import _build_parser
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the error")
+
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+    out = tmp_path / "est.pt"
+    argv = ["fidelity", "build", "--model", "tiny", "--task", "add1", "--prompts", "2", "--samples", "2",
+            "--max-new-tokens", "4", "-o", str(out), "--threads", "1"]
+    assert main(argv + ["-M", "2"]) == 0
+    messages = []
+    # a build stopped before its first batch left the batch folder without the estimates file
+    out.unlink()
+    monkeypatch.setattr(models, "resolve_model", no_model)
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["-M", "2"])
+    messages.append(str(e.value))
+    assert re.fullmatch(r"tokencredit fidelity build: -o: '.*est\.pt\.run' holds the batch of an earlier build that wrote no "
+                        r"estimates file '.*est\.pt' .*; start again with --overwrite \('.*est\.pt\.run' is moved to "
+                        r"'.*est\.pt\.run\.old-1', nothing is deleted\) or choose another -o", messages[-1]), messages[-1]
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+    assert main(argv + ["-M", "2", "--overwrite"]) == 0
+    assert (tmp_path / "est.pt.run.old-1" / "config.json").is_file() and load_estimates(out)["settings"]["M"] == 2
+    # an estimates file of other settings: refused, --overwrite offered; with it the old file is kept aside
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["-M", "4"])
+    messages.append(str(e.value))
+    assert "was built with other settings (file, now): {'M': (2, 4)}; start again with --overwrite" in messages[-1]
+    first = load_estimates(out)["samples"].clone()
+    assert main(argv + ["-M", "4", "--overwrite"]) == 0
+    assert load_estimates(out)["settings"]["M"] == 4
+    assert torch.equal(load_estimates(tmp_path / "est.pt.old-1")["samples"].nan_to_num(-1), first.nan_to_num(-1))
+    assert (tmp_path / "est.pt.run.old-2" / "config.json").is_file()
+    # an exact build does not resume: an existing file is refused before any model loads
+    monkeypatch.setattr(models, "load_frozen", no_model)
+    with pytest.raises(SystemExit) as e:
+        main(["fidelity", "build", "--task", "mul1", "--exact", "-o", str(out)])
+    messages.append(str(e.value))
+    assert "exists and an exact build does not resume; start again with --overwrite" in messages[-1]
+    accepted = {o for a in _build_parser()._actions for o in a.option_strings}
+    for m in messages:
+        offered = set(re.findall(r"(?<![\w-])(-{1,2}[a-z][a-z-]*)", m))
+        assert offered and offered <= accepted, (offered - accepted, m)
+    capsys.readouterr()
+
+
 def test_sample_batch_keeps_every_signal_and_leaves_the_weights(tmp_path):
     """Mid-run (a step that would not save its rollouts) the batch still carries every signal a
     replay needs, and the step at learning rate 0 changes no weight, the learning rate restored."""

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["FORMAT", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_TOKENS", "batch_fingerprint",
+__all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_TOKENS", "batch_fingerprint",
            "mc_positions", "response_rows"]
 
 FORMAT = "tokencredit-fidelity/1"
@@ -30,6 +30,11 @@ REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " 
 
 class FidelityError(ValueError):
     """Bad input to the fidelity instrument; the message is one line naming what does not match."""
+
+
+class EstimatesMismatch(FidelityError):
+    """An existing estimates file of another batch or other settings than the build's (the
+    command line offers ``--overwrite``)."""
 
 
 def _lengths(saved: Dict[str, Any]) -> List[int]:

@@ -1,9 +1,11 @@
 """The command line: ``tokencredit fidelity [FILE]`` (the table; ``--claims``, ``--figure``,
 ``--json``), ``tokencredit fidelity build`` (estimates for a run's saved batch, or for a batch
 it samples itself from ``--model`` on ``--task``; ``--exact`` for the exact tier) and
-``tokencredit fidelity critic`` (a gae or pact run's critic evaluated on a file's batch).
-Every user error is one line, ``tokencredit fidelity[ build| critic]: FIELD: ...``, before any
-model loads."""
+``tokencredit fidelity critic`` (the critic of a run of a method that declares one, evaluated
+on a file's batch). Every user error is one line, ``tokencredit fidelity[ build| critic]: FIELD:
+...``. A build resumes an existing estimates file; ``--overwrite`` starts again after moving
+the file (and a ``--task`` build's batch folder ``FILE.run``) aside to ``<name>.old-<k>``, as
+``tokencredit train --overwrite`` moves a run aside: nothing is deleted."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .base import (REFERENCE_EXACT, REFERENCE_EXACT_COMMAND, REFERENCE_SET, REFERENCE_TOKENS, FidelityError, _atomic_save,
-                   _check_rows, _lengths)
+from .base import (REFERENCE_EXACT, REFERENCE_EXACT_COMMAND, REFERENCE_SET, REFERENCE_TOKENS, EstimatesMismatch,
+                   FidelityError, _atomic_save, _check_rows, _lengths)
 from .claims import CLAIM_SPECS, claims, format_claims
 from .estimates import attach_critic, build_estimates, critic_values, load_estimates
 from .exact import exact_estimates
@@ -70,7 +72,7 @@ def _score_main(argv: List[str]) -> int:
     return 0
 
 
-def _build_main(argv: List[str]) -> int:
+def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tokencredit fidelity build",
         description="Monte Carlo V(h_t) for a run's saved rollout batch (from the checkpoint that sampled it), "
@@ -78,7 +80,9 @@ def _build_main(argv: List[str]) -> int:
     p.add_argument("rollouts", nargs="?", default=None,
                    help="a run directory (its latest eval/rollouts_step_*.pt) or a rollouts file inside one; "
                         "omit it to sample a batch from --model on --task")
-    p.add_argument("-o", "--output", required=True, help="the estimates file (resumed when it exists)")
+    p.add_argument("-o", "--output", required=True, help="the estimates file (resumed when it exists, but with --exact)")
+    p.add_argument("--overwrite", action="store_true", help="start again: move an existing estimates file to "
+                   "FILE.old-<k> and a --task build's batch folder FILE.run to FILE.run.old-<k> (nothing is deleted)")
     p.add_argument("--checkpoint", default=None, help="the checkpoint folder of the policy that sampled the batch "
                    "(default: RUN/checkpoints/step_<S-1>, S the rollouts' step)")
     p.add_argument("-M", type=int, default=16, help="continuations per position (even)")
@@ -102,7 +106,11 @@ def _build_main(argv: List[str]) -> int:
     g.add_argument("--samples", type=int, default=4, help="responses per prompt (the group size)")
     g.add_argument("--max-new-tokens", type=int, default=48)
     g.add_argument("--temperature", type=float, default=0.7)
-    a = p.parse_args(argv)
+    return p
+
+
+def _build_main(argv: List[str]) -> int:
+    a = _build_parser().parse_args(argv)
     try:
         if (a.rollouts is None) == (a.task is None):
             raise FidelityError(f"ROLLOUTS: expected a run's rollouts or --task (a batch to sample), got "
@@ -114,6 +122,32 @@ def _build_main(argv: List[str]) -> int:
         return _build_from_run(a) if a.rollouts is not None else _build_from_task(a)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"tokencredit fidelity build: {e}") from None
+
+
+def _aside(path: Path) -> Path:
+    from ..runfolder import _aside_name
+
+    return _aside_name(path)
+
+
+def _start_again(out: Path, *, task: bool) -> None:
+    """``--overwrite``: the estimates file ``out`` and (a ``--task`` build) its batch folder
+    moved aside; called after every check, before any model loads. A folder another build holds
+    is refused (the message names its pid)."""
+    from ..runfolder import check_run_folder
+
+    run = out.with_name(out.name + ".run")
+    if task and run.exists():
+        check_run_folder(run, resume=False, overwrite=True)
+    for p in (out, run) if task else (out,):
+        if p.exists():
+            to = _aside(p)
+            p.rename(to)
+            print(f"--overwrite: {p} moved to {to}", file=sys.stderr)
+
+
+def _overwrite_hint(p: Path) -> str:
+    return f"start again with --overwrite ({str(p)!r} is moved to {str(_aside(p))!r}, nothing is deleted) or choose another -o"
 
 
 def _parse_rows(text: Optional[str]) -> Optional[List[int]]:
@@ -146,7 +180,7 @@ def _load_run(run: Path, checkpoint: Optional[Path], *, critic: bool = False):
             raise FidelityError(f"--checkpoint: no checkpoint {checkpoint}")
         sd = load_checkpoint(checkpoint)
     if critic and (sd is None or sd.get("critic") is None):
-        raise FidelityError(f"RUN: expected a checkpoint with a critic (a run of gae or pact), got "
+        raise FidelityError(f"RUN: expected a checkpoint with a critic (a run of {_critic_methods()}), got "
                             f"{checkpoint if checkpoint is not None else 'none'} without one")
     model, tok = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
     if cfg.model.lora:
@@ -193,10 +227,13 @@ def _estimate(a, cfg, model, tok, saved: Dict[str, Any], policy: str) -> int:
     def reward(text, b):
         return score_safely(task.reward, text, exs[b], cfg.task.reward_timeout_s)
 
-    build_estimates(saved, model, tok, reward, a.output, M=a.M, stride=a.stride, temperature=cfg.rollout.temperature,
-                    top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens, rows_per_batch=a.rows_per_batch,
-                    seed=a.seed, policy=policy, rows=_parse_rows(a.rows), crn=a.crn,
-                    max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
+    try:
+        build_estimates(saved, model, tok, reward, a.output, M=a.M, stride=a.stride, temperature=cfg.rollout.temperature,
+                        top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens, rows_per_batch=a.rows_per_batch,
+                        seed=a.seed, policy=policy, rows=_parse_rows(a.rows), crn=a.crn,
+                        max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
+    except EstimatesMismatch as e:
+        raise FidelityError(f"{e}; {_overwrite_hint(Path(a.output))}") from None
     print(f"estimates written to {a.output}")
     return 0
 
@@ -216,6 +253,8 @@ def _build_from_run(a) -> int:
         raise FidelityError(f"--checkpoint: the batch of step {step} was sampled by the weights after step {step - 1}; "
                             f"no checkpoint {ck} (pass --checkpoint, or save every step)")
     use = ck if step > 1 or a.checkpoint else None
+    if a.overwrite:
+        _start_again(Path(a.output), task=False)
     cfg, model, tok, _ = _load_run(run, use)
     policy = f"{cfg.model.name}{' + LoRA' if cfg.model.lora else ''} from {use if use is not None else 'the initial weights'}"
     return _estimate(a, cfg, model, tok, saved, policy)
@@ -224,20 +263,24 @@ def _build_from_run(a) -> int:
 def _build_from_task(a) -> int:
     from ..config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
     from ..models import EMBEDDED
+    from ..runfolder import holds_run
     from ..trainer import Trainer
 
     out = Path(a.output)
-    if out.exists():  # resume: the batch is the file's own
+    run = out.with_name(out.name + ".run")
+    if out.exists() and not a.overwrite:  # resume: the batch is the file's own
         est = load_estimates(out, require_complete=False)
-        run = out.with_name(out.name + ".run")
         cfg, model, tok, _ = _load_run(run, None)
         if (cfg.model.name, cfg.task.name) != (a.model or EMBEDDED, a.task):
             raise FidelityError(f"ESTIMATES: {out} samples {cfg.model.name} on {cfg.task.name}; expected {a.model or EMBEDDED} on {a.task}")
         if cfg.model.lora:
             _copy_weights(model, torch.load(run / "adapter.pt", map_location="cpu", weights_only=True), f"ESTIMATES: {run / 'adapter.pt'}")
         return _estimate(a, cfg, model, tok, est["rollouts"], est.get("policy", ""))
-    cfg = TrainConfig(
-        credit="grpo", steps=1, seed=a.seed, threads=a.threads, output_dir=str(out.with_name(out.name + ".run")),
+    if holds_run(run) and not a.overwrite:
+        raise FidelityError(f"-o: {str(run)!r} holds the batch of an earlier build that wrote no estimates file {str(out)!r} "
+                            f"(stopped before its first batch?); {_overwrite_hint(run)}")
+    cfg = TrainConfig(  # the trainer's default credit: the batch is the policy's, whatever is scored on it
+        steps=1, seed=a.seed, threads=a.threads, output_dir=str(run),
         model=ModelConfig(name=a.model or EMBEDDED, lora=a.lora),
         task=TaskConfig(name=a.task),
         rollout=RolloutConfig(prompts_per_step=a.prompts, samples_per_prompt=a.samples, max_new_tokens=a.max_new_tokens,
@@ -247,6 +290,8 @@ def _build_from_task(a) -> int:
     )
     cfg.validate()
     _check_rows(_parse_rows(a.rows), a.prompts * a.samples)  # before any model loads
+    if a.overwrite:
+        _start_again(out, task=True)
     trainer = Trainer(cfg)
     trainer._open_logs()  # config.json: a resumed build reloads the same model and task
     saved = sample_batch(trainer, a.prompts)
@@ -257,13 +302,20 @@ def _build_from_task(a) -> int:
     return _estimate(a, cfg, trainer.model, trainer.tokenizer, saved, policy)
 
 
+def _critic_methods() -> str:
+    """The registered methods that declare a critic, as "a or b" (the registry's, not a list here)."""
+    from ..registry import get_method, list_methods
+
+    return " or ".join(n for n in list_methods() if get_method(n).critic is not None)
+
+
 def _critic_main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(
         prog="tokencredit fidelity critic",
-        description="evaluate the critic of a gae or pact run on an estimates file's batch and store it in the file, so "
-                    "that `tokencredit fidelity` scores that method with its own run's critic")
+        description=f"evaluate the critic of a {_critic_methods()} run on an estimates file's batch and store it in the "
+                    "file, so that `tokencredit fidelity` scores that method with its own run's critic")
     p.add_argument("estimates", help="the estimates file (updated in place, or written to -o)")
-    p.add_argument("run", help="the run directory of a method with a critic (gae, pact)")
+    p.add_argument("run", help=f"the run directory of a method with a critic ({_critic_methods()})")
     p.add_argument("--checkpoint", default=None, help="default: the run's latest checkpoint")
     p.add_argument("-o", "--output", default=None)
     p.add_argument("--threads", type=int, default=None)
@@ -287,7 +339,7 @@ def _critic_from_run(a) -> int:
     pipe = CreditPipeline(cfg.credit, cfg.method_configs())
     method = _critic_method(pipe.name)
     if method is None:
-        raise FidelityError(f"RUN: {run} trained {pipe.name!r}, which declares no critic; expected a run of gae or pact")
+        raise FidelityError(f"RUN: {run} trained {pipe.name!r}, which declares no critic; expected a run of {_critic_methods()}")
     from ..registry import get_method
 
     spec = get_method(method).critic(pipe.configs[method])
@@ -331,10 +383,15 @@ def _build_exact(a) -> int:
         raise FidelityError("--exact: expected --task (the exact tier samples its own batch from the restricted policy), got ROLLOUTS")
     if a.lora or a.rows or a.crn:
         raise FidelityError("--exact: expected no --lora, --rows or --crn (every position of every response is exact)")
+    out = Path(a.output)
+    if out.exists() and not a.overwrite:
+        raise FidelityError(f"-o: {str(out)!r} exists and an exact build does not resume; {_overwrite_hint(out)}")
     if a.threads:
         torch.set_num_threads(int(a.threads))
     task = make_task(a.task, seed=a.seed)
     examples = list(task.train)[: a.prompts]
+    if a.overwrite:
+        _start_again(out, task=False)
     name = a.model or EMBEDDED
     model, tok = load_frozen(name, field="--model")
     t0 = time.perf_counter()
@@ -347,7 +404,7 @@ def _build_exact(a) -> int:
                           temperature=a.temperature, seed=a.seed,
                           policy=f"{name} restricted to the digits and its end token, T = {a.temperature} (exact tier)")
     est["build"]["seconds"] = time.perf_counter() - t0
-    _atomic_save(est, Path(a.output))
+    _atomic_save(est, out)
     print(f"exact estimates written to {a.output} ({est['build']['exact_nodes']} nodes, {est['build']['seconds']:.0f} s); "
           f"score them with: tokencredit fidelity {a.output}")
     return 0

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import FORMAT, FidelityError, _atomic_save, _check_rows, _lengths, batch_fingerprint, mc_positions, response_rows
+from .base import FORMAT, EstimatesMismatch, FidelityError, _atomic_save, _check_rows, _lengths, batch_fingerprint, mc_positions, response_rows
 from .sampling import _batch_inputs, _prompt_rows, check_policy, sample_continuations
 
 __all__ = ["attach_critic", "build_estimates", "complete_rows", "credit_spans", "critic_values", "is_estimates_file",
@@ -104,10 +104,10 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     if out.exists():
         state = load_estimates(out, require_complete=False)
         if state["fingerprint"] != fp:
-            raise FidelityError(f"ESTIMATES: {out} was built for another batch (fingerprint {state['fingerprint']}, this batch {fp})")
+            raise EstimatesMismatch(f"ESTIMATES: {out} was built for another batch (fingerprint {state['fingerprint']}, this batch {fp})")
         if state["settings"] != settings:
             diff = {k: (state["settings"].get(k), v) for k, v in settings.items() if state["settings"].get(k) != v}
-            raise FidelityError(f"ESTIMATES: {out} was built with other settings (file, now): {diff}")
+            raise EstimatesMismatch(f"ESTIMATES: {out} was built with other settings (file, now): {diff}")
     else:
         if any(len(r) > max_new_tokens for r in rows):
             raise FidelityError(f"max_new_tokens: expected >= the longest response ({max(len(r) for r in rows)}), got {max_new_tokens}")
