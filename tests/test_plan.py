@@ -189,3 +189,46 @@ def test_oracle_texts_follow_the_declaration():
     plan = plan_signals(CreditPipeline("opd", opd={"oracle": "teacher"}), lora=False, teacher=True)
     out = oracle_texts(plan, [conv], ["3*4?"], ["12"], render=lambda c: "|".join(m["content"] for m in c))
     assert out == ["s|3*4?"]  # the student's own prompt
+
+
+def _oracle_methods():
+    """The registered methods that read oracle_logprobs and declare a policy-scored pass at their defaults."""
+    from tokencredit.registry import get_method, list_methods
+
+    infos = [get_method(n) for n in list_methods("estimator")]
+    return [i for i in infos if "oracle_logprobs" in i.requires and i.oracle(i.config_cls()).scorer == "policy"]
+
+
+def test_the_default_oracle_is_what_the_oracle_methods_declare():
+    """A saved eval batch's oracle log-probs (a spec without an oracle method) come from the
+    pass every registered oracle method declares at its defaults, so inspect can replay each."""
+    plan = plan_signals(CreditPipeline("grpo"), lora=False).with_signals({"oracle_logprobs"})
+    assert plan.passes == ("policy", "oracle") and plan.oracle.scorer == "policy"
+    methods = _oracle_methods()
+    assert len(methods) >= 2
+    for info in methods:
+        assert info.oracle(info.config_cls()).prompt("What is 3*4?", "12") == plan.oracle.prompt("What is 3*4?", "12"), info.name
+
+
+def test_a_registered_methods_oracle_declaration_is_the_default(monkeypatch):
+    """plan.py names no method: with the registry's oracle methods replaced by one registered
+    here, the default oracle pass is the one it declares; with none, a one-line PlanError."""
+    from dataclasses import dataclass
+
+    from tokencredit import registry
+    from tokencredit.registry import OraclePass, register_estimator
+
+    monkeypatch.setattr(registry, "_REGISTRY", {n: i for n, i in registry._REGISTRY.items() if i not in _oracle_methods()})
+    with pytest.raises(PlanError, match="^oracle_logprobs: expected a registered method"):
+        plan_signals(CreditPipeline("grpo"), lora=False).with_signals({"oracle_logprobs"})
+
+    @dataclass
+    class HintConfig:
+        hint: str = "think of {answer}"
+
+    register_estimator(
+        "test_hint_oracle", config=HintConfig, requires=("oracle_logprobs",), provenance="reconstructed",
+        summary="test", oracle=lambda c: OraclePass(prompt=lambda q, a: f"{q} ({c.hint.format(answer=a)})", scorer="policy"),
+    )(lambda batch, config: None)
+    plan = plan_signals(CreditPipeline("grpo"), lora=False).with_signals({"oracle_logprobs"})
+    assert plan.oracle.prompt("3*4?", "12") == "3*4? (think of 12)"

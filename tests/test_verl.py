@@ -333,6 +333,37 @@ def test_env_channel_and_verl_norm_key_reach_the_estimator(monkeypatch):
     torch.testing.assert_close(no_std, dr.advantages, rtol=0, atol=0)
 
 
+
+def test_verl_std_switch_reaches_any_estimator_with_the_field(monkeypatch):
+    """verl's ``norm_adv_by_std_in_grpo`` sets the estimator config field the plugin names
+    (``STD_NORMALIZE_FIELD``), for any estimator whose config has it (no method name in the
+    plugin); an estimator without it (rloo) gives the same advantages either way."""
+    from dataclasses import dataclass
+
+    from tokencredit import registry
+    from tokencredit.registry import CreditOutput, register_estimator
+
+    @dataclass
+    class SwitchConfig:
+        std_normalize: bool = True
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_estimator("test_std_switch", config=SwitchConfig, provenance="reconstructed", summary="test", needs_groups=True)(
+        lambda batch, config: CreditOutput(advantages=batch.response_mask.float() * (1.0 if config.std_normalize else 2.0))
+    )
+    tlr, mask, uid, _ = rollout()
+    est = tcv._make_estimator("test_std_switch")
+    on, _ = est(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=True), index=uid)
+    off, _ = est(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=False), index=uid)
+    torch.testing.assert_close(on, mask)
+    torch.testing.assert_close(off, 2 * mask)
+    rloo = tcv._make_estimator("rloo")
+    torch.testing.assert_close(
+        rloo(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=False), index=uid)[0],
+        rloo(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=True), index=uid)[0],
+    )
+
+
 # -- (5) clear errors -------------------------------------------------------------------------
 
 

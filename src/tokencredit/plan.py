@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import FrozenSet, Optional, Tuple
 
-from .registry import CriticSpec, OraclePass
+from .registry import CriticSpec, OraclePass, default_oracle
 from .spec import CreditPipeline
 
 __all__ = ["SignalPlan", "PlanError", "plan_signals"]
@@ -71,7 +71,8 @@ class SignalPlan:
     def with_signals(self, extra) -> "SignalPlan":
         """The same plan computing more signals (a saved eval batch carries every signal the
         trainer can give); the extra oracle pass uses the estimator's declaration when it has
-        one, else a self-oracle on the default oracle prompt."""
+        one, else :func:`~tokencredit.registry.default_oracle` (the self-oracle the registered
+        oracle methods declare at their defaults)."""
         return _build(self.signals | frozenset(extra), self.oracle, self.critic, lora=self._lora,
                       explicit_reference=self._explicit_reference)
 
@@ -98,9 +99,9 @@ def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool) -> 
         x for x, on in (("logprobs", ref_from_adapter), ("hidden", "hidden_residual" in signals)) if on
     )
     if "oracle_logprobs" in signals and oracle is None:
-        from .methods.opd import oracle_pass, DEFAULT_ORACLE_TEMPLATE
-
-        oracle = oracle_pass("self", DEFAULT_ORACLE_TEMPLATE, teacher_sees_oracle_prompt=True)
+        oracle = default_oracle()  # what the registered oracle methods declare at their defaults
+        if oracle is None:
+            raise PlanError("oracle_logprobs: expected a registered method that declares a policy-scored oracle pass, got none")
     return SignalPlan(
         signals=signals,
         # the policy pass always gives log-probs (the loss's old log-probs come from it)

@@ -40,6 +40,7 @@ __all__ = [
     "register_calibrator",
     "get_method",
     "list_methods",
+    "default_oracle",
     "PROVENANCE",
     "UnknownMethodError",
 ]
@@ -304,3 +305,19 @@ def list_methods(kind: Optional[str] = None) -> list:
     if kind not in (None, "estimator", "calibrator"):
         raise ValueError(f"kind: expected None, 'estimator' or 'calibrator', got {kind!r}")
     return sorted(n for n, i in _REGISTRY.items() if kind is None or i.kind == kind)
+
+
+def default_oracle() -> Optional[OraclePass]:
+    """The oracle pass for a batch that should carry ``oracle_logprobs`` although no method of
+    its spec declares one (a trainer's saved eval batch, so that ``inspect`` can replay the
+    oracle methods on it): the policy-scored pass that the first registered estimator reading
+    ``oracle_logprobs`` declares at its default config (the built-in methods register first).
+    None when no registered method declares one."""
+    _ensure_loaded()
+    for info in _REGISTRY.values():
+        if info.oracle is None or "oracle_logprobs" not in info.requires:
+            continue
+        declared = info.oracle(info.config_cls())
+        if declared is not None and declared.scorer == "policy":
+            return declared
+    return None

@@ -40,7 +40,7 @@ import verl  # on `import verl` this module is loaded while verl/__init__ runs: 
 from ...batch import CreditBatch, CreditInputError
 from ...ops import masked_fill_zero
 from ...plan import PlanError, plan_signals
-from ...registry import CriticSpec, list_methods
+from ...registry import CriticSpec, get_method, list_methods
 from ...spec import CreditPipeline, parse_spec
 
 __all__ = [
@@ -349,8 +349,14 @@ def _group_ids(index: Any, batch_size: int) -> torch.Tensor:
     return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
 
 
+#: the estimator config field that verl's ``algorithm.norm_adv_by_std_in_grpo`` sets: a method
+#: declares the group-std switch by having this field (GRPO); others ignore verl's setting
+STD_NORMALIZE_FIELD = "std_normalize"
+
+
 def _estimator_settings(name: str, settings: VerlCreditSettings, config: Any) -> VerlCreditSettings:
-    """The settings for estimator ``name``, with verl's ``norm_adv_by_std_in_grpo`` honoured for grpo."""
+    """The settings for estimator ``name``, with verl's ``norm_adv_by_std_in_grpo`` honoured by an
+    estimator whose config has the group-std switch (:data:`STD_NORMALIZE_FIELD`)."""
     if settings.spec is not None:
         spec_est = parse_spec(settings.spec)[0].name
         if spec_est != name:
@@ -358,19 +364,20 @@ def _estimator_settings(name: str, settings: VerlCreditSettings, config: Any) ->
                 f"tokencredit.spec '{settings.spec}' starts with estimator '{spec_est}', but verl runs "
                 f"algorithm.adv_estimator={ESTIMATOR_PREFIX}{name}; make them agree"
             )
-    if name != "grpo" or config is None or not hasattr(config, "get"):
+    fields = {f.name for f in dataclasses.fields(get_method(name).config_cls)}
+    if STD_NORMALIZE_FIELD not in fields or config is None or not hasattr(config, "get"):
         return settings
     norm = config.get("norm_adv_by_std_in_grpo", True)
-    given = settings.configs.get("grpo", {})
-    if "std_normalize" in given:
-        if bool(given["std_normalize"]) != bool(norm):
+    given = settings.configs.get(name, {})
+    if STD_NORMALIZE_FIELD in given:
+        if bool(given[STD_NORMALIZE_FIELD]) != bool(norm):
             raise ValueError(
-                f"tokencredit.grpo.std_normalize={given['std_normalize']} contradicts "
+                f"tokencredit.{name}.{STD_NORMALIZE_FIELD}={given[STD_NORMALIZE_FIELD]} contradicts "
                 f"algorithm.norm_adv_by_std_in_grpo={norm}; set one of them"
             )
         return settings
     configs = dict(settings.configs)
-    configs["grpo"] = {**given, "std_normalize": bool(norm)}
+    configs[name] = {**given, STD_NORMALIZE_FIELD: bool(norm)}
     return dataclasses.replace(settings, configs=configs)
 
 
