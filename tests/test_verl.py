@@ -364,6 +364,22 @@ def test_verl_std_switch_reaches_any_estimator_with_the_field(monkeypatch):
     )
 
 
+
+def test_core_shows_the_live_call_contexts():
+    """``core._DRIVER`` and ``core._LOSS_CONTEXT`` (read by tests/verl_e2e/tc_capture.py in verl's
+    processes) are the contexts open now, though they live in the estimator and loss modules."""
+    core = tcv.core
+    mask = torch.ones(2, 3)
+    assert core._DRIVER is None and core._LOSS_CONTEXT is None
+    with tcv.driver_signals(mask, {"entropy": torch.zeros(2, 3)}):
+        assert core._DRIVER is not None and set(core._DRIVER.signals) == {"entropy"}
+        with tcv._loss_context(tcv.VerlCreditSettings(spec="grpo"), {"entropy": torch.zeros(2, 3)}, None):
+            assert core._LOSS_CONTEXT.settings.spec == "grpo"
+    assert core._DRIVER is None and core._LOSS_CONTEXT is None
+    with pytest.raises(AttributeError, match="_NOPE"):
+        core._NOPE
+
+
 # -- (5) clear errors -------------------------------------------------------------------------
 
 

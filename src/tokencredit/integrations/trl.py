@@ -1,6 +1,10 @@
 """Token-level credit in TRL: ``TokenCreditGRPOTrainer``, a ``trl.GRPOTrainer`` whose advantages
 come from a tokencredit credit spec.
 
+(One module past ~600 lines on purpose: it does one job, adapting one TRL class. Its hooks share
+the instance's state and the list of TRL internals they rely on (``_TRL_METHODS``), which is
+checked in one place; the credit math, the signal plan and its passes already live in the core.)
+
 Three lines change in a TRL script::
 
     from tokencredit.integrations.trl import TokenCreditGRPOTrainer     # was: from trl import GRPOTrainer

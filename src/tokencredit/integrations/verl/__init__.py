@@ -4,9 +4,11 @@
 imports it on ``import verl`` in every process (driver, TaskRunner, every Ray worker), so these
 registrations exist wherever verl looks them up (checked against verl 0.9.1):
 
-* :mod:`.core`: the advantage estimators ``tc_<name>`` (``algorithm.adv_estimator=tc_grpo``), the
-  policy loss ``tokencredit`` (``actor_rollout_ref.actor.policy_loss.loss_mode=tokencredit``), the
-  settings channel and the engine losses the trainer mode installs;
+* :mod:`.core`: registers the advantage estimators ``tc_<name>`` (``algorithm.adv_estimator=tc_grpo``)
+  and the policy loss ``tokencredit`` (``actor_rollout_ref.actor.policy_loss.loss_mode=tokencredit``),
+  and re-exports the modules that do the work: :mod:`.settings` (the settings channel and one
+  credit pipeline per settings), :mod:`.estimators` (driver side) and :mod:`.losses` (the policy
+  loss and the engine losses the trainer mode installs; worker side);
 * :mod:`.engine`: tokencredit's FSDP actor engine (``+actor_rollout_ref.model.model_type=
   tokencredit_language_model``, registered in verl's ``EngineRegistry``), whose forward also
   returns ACPO's top-1 probability and ARCA's adapter-on/off hidden-state residual;
@@ -15,8 +17,9 @@ registrations exist wherever verl looks them up (checked against verl 0.9.1):
 * :mod:`.trainer`: the trainer mode ``tokencredit_sync`` (``trainer.v1.trainer_mode=tokencredit_sync``),
   verl's synchronous PPO trainer plus the passes the spec's methods declare (``tokencredit.plan``).
 
-Dependencies run one way: ``trainer -> oracle, record, core`` and ``engine -> core``; ``core`` and
-``oracle`` import nothing of the trainer mode or the engine, and this package module imports all four.
+Dependencies run one way: ``trainer -> oracle, record, core``, ``engine -> settings`` and
+``core -> estimators, losses -> settings``; ``core`` and ``oracle`` import nothing of the trainer
+mode or the engine, and this package module imports all of them.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ which the trainer mode sets for the actor update when the spec's plan has these 
   verl's own ``engine.disable_adapter()`` (the context verl's LoRA reference policy uses).
 
 Both are returned in ``model_output`` laid out like ``log_probs`` (position i of a sequence scores
-token i + 1; nested by sequence), so the loss (:func:`.core.loss_signals`) un-pads them exactly as
+token i + 1; nested by sequence), so the loss (:func:`.losses.loss_signals`) un-pads them exactly as
 verl's ``ppo_loss`` un-pads the log-probs. They are the *current* policy's, per micro-batch of the
 update, detached, as the entropy TACO and STARE read in verl.
 """
@@ -34,7 +34,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from ...signals import token_signals
-from .core import ENGINE_MODEL_TYPE, WORKER_SIGNAL_KEYS
+from .settings import ENGINE_MODEL_TYPE, WORKER_SIGNAL_KEYS
 
 __all__ = ["ENGINE_MODEL_TYPE", "WORKER_SIGNAL_KEYS", "TokenCreditFSDPEngine", "requested_signals", "verl_engine_devices"]
 
