@@ -207,12 +207,14 @@ def test_the_own_trainer_gives_ktae_the_rollouts_tokens(tmp_path):
     torch.testing.assert_close(last["credit"].advantages.double(), ref_advantages(cb), rtol=1e-5, atol=1e-5)
 
 
-def test_verl_refuses_ktae_in_one_line():
+def test_verl_takes_ktae():
+    """verl's trainer mode hands the tc_ktae estimator the step batch's responses as token_ids
+    (run end to end on the driver in tests/test_verl_methods.py)."""
     pytest.importorskip("verl")
-    from tokencredit.integrations.verl.core import check_supported
+    from tokencredit.integrations.verl.core import DRIVER_SIGNALS, check_supported
 
-    with pytest.raises(ValueError, match=r"estimator 'ktae' needs \['token_ids'\]; the trainer mode gives a verl estimator only"):
-        check_supported(CreditPipeline("ktae"))
+    check_supported(CreditPipeline("ktae"))  # raised "estimator 'ktae' needs ['token_ids']" before
+    assert "token_ids" in DRIVER_SIGNALS
 
 
 def test_trls_trainer_gives_ktae_the_completion_tokens(tmp_path):

@@ -52,13 +52,15 @@ def step_signals(mask, seed=5):
         "logprobs": logp,
         "oracle_logprobs": (logp + torch.randn(mask.shape, generator=gen) * 0.7).clamp_max(0) * mask,
         "values": torch.randn(mask.shape, generator=gen) * mask,  # the critic head's raw output
+        # the responses' token ids, from a small vocabulary so that groups share tokens (KTAE)
+        "token_ids": torch.randint(0, 6, mask.shape, generator=gen) * mask.long(),
     }
 
 
 # -- (1) driver-side estimators: verl's compute_advantage == the core ----------------------------
 
 
-@pytest.mark.parametrize("name", ["gtpo", "oppo", "opd", "gae", "pact"])
+@pytest.mark.parametrize("name", ["gtpo", "oppo", "opd", "gae", "pact", "ktae"])
 def test_driver_estimator_equals_core(name):
     tlr, mask, uid, rewards = rollout()
     pipe = CreditPipeline(name)
@@ -281,6 +283,58 @@ class FakeTransferQueue:
             vals = [self.rows[k][f] for k in keys]
             out[f] = torch.nested.nested_tensor(vals, layout=torch.jagged) if torch.is_tensor(vals[0]) else vals
         return out
+
+
+class PaddedTransferQueue:
+    """``kv_batch_get`` as the trainer mode's advantage step reads it: a result whose
+    ``to_padded_tensor()`` gives right-padded [B, T] tensors (jagged rows of one partition)."""
+
+    def __init__(self, rows):
+        self.rows = rows  # key -> {field: 1-D tensor}
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        rows = self.rows
+
+        class Result:
+            def to_padded_tensor(self):
+                return {f: torch.nested.nested_tensor([rows[k][f] for k in keys], layout=torch.jagged).to_padded_tensor(0)
+                        for f in select_fields}
+
+        return Result()
+
+
+def test_trainer_mode_gives_ktae_the_responses_token_ids(monkeypatch):
+    """The trainer mode's advantage step reads the step batch's ``responses`` into the driver
+    signal ``token_ids`` (integers, laid out like ``response_mask``), and verl's advantage step
+    with ``tc_ktae`` then equals the core pipeline on those tokens."""
+    import sys
+    import types
+
+    tlr, mask, uid, rewards = rollout()
+    tokens = step_signals(mask)["token_ids"]
+    lens = mask.sum(1).long().tolist()
+    rows = {f"k{i}": {"responses": tokens[i, :n], "response_mask": torch.ones(n, dtype=torch.int64)} for i, n in enumerate(lens)}
+    monkeypatch.setitem(sys.modules, "transfer_queue", PaddedTransferQueue(rows))
+    cfg = compose_verl(_with("tc_ktae", "+tokencredit.spec=ktae"))
+    tr = object.__new__(tct.TokenCreditPPOTrainerSync)
+    tr.config = cfg
+    tr.tokencredit_credit, tr.tokencredit_plan = tct.trainer_plan(cfg, tct.check_trainer_config(cfg))
+    tcv.install_settings(tcv.settings_from_dict({"spec": "ktae"}))
+
+    def estimate(batch, metrics):  # verl's advantage step, inside the driver signals the trainer mode opened
+        seen = dict(tcv.core._DRIVER.signals)
+        data = DataProto.from_dict(tensors={"token_level_rewards": tlr, "response_mask": mask}, non_tensors={"uid": uid})
+        return seen, compute_advantage(data, adv_estimator="tc_ktae", config=AlgoConfig())
+
+    monkeypatch.setattr(tr, "_tc_estimate", estimate)
+    seen, out = tr._compute_advantage(types.SimpleNamespace(keys=list(rows), partition_id="train"), {})
+    assert set(seen) == {"token_ids"} and not seen["token_ids"].is_floating_point()
+    assert torch.equal(seen["token_ids"], tokens)
+    _, gids = np.unique(uid.astype(str), return_inverse=True)
+    core = CreditPipeline("ktae")(CreditBatch(response_mask=mask, rewards=rewards, group_ids=torch.as_tensor(gids), token_ids=tokens))
+    grpo = CreditPipeline("grpo")(CreditBatch(response_mask=mask, rewards=rewards, group_ids=torch.as_tensor(gids)))
+    assert not torch.allclose(core.advantages, grpo.advantages)  # the tokens matter
+    torch.testing.assert_close(out.batch["advantages"], core.advantages, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method", ["oppo", "opd"])

@@ -2,8 +2,8 @@
 
 verl calls a custom estimator with ``token_level_rewards``, ``response_mask``, ``config`` (the
 ``algorithm`` section) and ``index`` (the prompt uid) only. An estimator that declares more
-signals (``entropy``, ``logprobs``, ``oracle_logprobs``, ``values``: GTPO, OPPO, OPD, GAE, PACT)
-reads them from :func:`driver_signals`, which the trainer mode opens around verl's advantage step
+signals (``entropy``, ``logprobs``, ``oracle_logprobs``, ``values``, ``token_ids``: GTPO, OPPO,
+OPD, GAE, PACT, KTAE) reads them from :func:`driver_signals`, which the trainer mode opens around verl's advantage step
 with the step batch's signals; without it the estimator raises, naming the trainer mode.
 """
 
@@ -77,7 +77,8 @@ def _estimator_signals(name: str, need, response_mask: torch.Tensor) -> Dict[str
         raise CreditInputError(f"estimator '{name}' needs {missing}; the trainer mode gave only {sorted(ctx.signals)}")
     out = {}
     for s in need:
-        v = ctx.signals[s].to(response_mask.device).float()
+        v = ctx.signals[s].to(response_mask.device)
+        v = v.float() if v.is_floating_point() else v  # token ids stay integers
         if s == "values":
             # verl's values[:, t] is V at the state before response token t (the output at the position
             # that predicts token t) = CreditBatch values[:, t]; the value after the last token is never read

@@ -67,6 +67,7 @@ DRIVER_SIGNALS = {
     "logprobs": "the old-log-prob pass (old_log_probs)",
     "oracle_logprobs": "the oracle pass (the actor's compute_log_prob on the oracle-prompted input)",
     "values": "verl's critic (critic.enable=True), through the estimator's declared transform",
+    "token_ids": "the rollout's own tokens (the step batch's responses; no pass)",
 }
 # Signals the policy loss can get, and how to get them (for the error message).
 LOSS_SIGNAL_HINTS = {

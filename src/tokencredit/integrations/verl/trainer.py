@@ -422,6 +422,7 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         fields += ["entropy"] if "entropy" in need else []
         fields += ["old_log_probs"] if "logprobs" in need else []
         fields += ["values"] if "values" in need else []
+        fields += ["responses"] if "token_ids" in need else []
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields).to_padded_tensor()
         mask = data["response_mask"]
         signals: Dict[str, torch.Tensor] = {}
@@ -431,6 +432,8 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
             signals["logprobs"] = data["old_log_probs"]
         if "values" in need:
             signals["values"] = critic_values(plan, data["values"])
+        if "token_ids" in need:
+            signals["token_ids"] = data["responses"]
         if "oracle_logprobs" in need:
             signals["oracle_logprobs"] = self._tc_oracle_pass(batch, mask.shape[1])
         if credit.states:
