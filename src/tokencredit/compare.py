@@ -64,12 +64,9 @@ METRICS: Tuple[Tuple[str, str], ...] = (
 
 
 class CompareSpec(str):
-    """One entry of ``--credit`` (a credit spec or a recipe name), parsed once: the text the
-    user wrote (this string, which names the run directory and the report's row), the credit
-    spec it stands for (``credit``; a recipe's spec) and its methods' names (``methods``).
-
-    :func:`parse_specs` returns these; the rest of a ``compare`` call reads ``methods`` instead
-    of parsing the spec again."""
+    """One entry of ``--credit`` as the user wrote it (a spec or a recipe name), parsed once:
+    ``credit`` is the spec it stands for, ``methods`` its methods' names, which the rest of a
+    ``compare`` call reads instead of parsing the spec again."""
 
     credit: str
     methods: Tuple[str, ...]
@@ -83,9 +80,6 @@ class CompareSpec(str):
         self.methods = tuple(m.name for m in parse_spec(self.credit))
         return self
 
-    def __reduce__(self):
-        return (CompareSpec, (str(self),))
-
 
 def _parsed(spec: str) -> CompareSpec:
     """``spec`` as a :class:`CompareSpec`: as given when it is one, parsed otherwise."""
@@ -93,8 +87,8 @@ def _parsed(spec: str) -> CompareSpec:
 
 
 def parse_specs(value: Any, field_name: str = "--credit") -> List[CompareSpec]:
-    """``"grpo,taco,oppo+stare"`` (or a list) -> validated credit specs or recipe names, each a
-    :class:`CompareSpec` (a ``str``) parsed once; entries that already are one are not parsed again.
+    """``"grpo,taco,oppo+stare"`` (or a list) -> validated specs or recipe names, each parsed once
+    (a :class:`CompareSpec`; one given is not parsed again).
 
     Raises ValueError naming ``field_name`` for an empty list, an unknown method, a malformed
     spec, or the same spec given twice (also under two spellings, ``taco`` and ``grpo+taco``).
@@ -109,6 +103,7 @@ def parse_specs(value: Any, field_name: str = "--credit") -> List[CompareSpec]:
         raise ValueError(f"{field_name}: empty entry in {value!r}")
     specs: List[CompareSpec] = []
     seen: Dict[str, str] = {}
+    dirs: Dict[str, str] = {}
     for s in texts:
         try:
             spec = _parsed(s)
@@ -118,14 +113,11 @@ def parse_specs(value: Any, field_name: str = "--credit") -> List[CompareSpec]:
         canon = f"recipe:{s}" if s in RECIPES else "+".join(spec.methods)
         if canon in seen:
             raise ValueError(f"{field_name}: {seen[canon]!r} and {s!r} are the same credit spec ({canon}); give it once")
-        seen[canon] = s
-        specs.append(spec)
-    names = {}
-    for s in specs:
         d = run_dir_name(s)
-        if d in names:
-            raise ValueError(f"{field_name}: specs {names[d]!r} and {s!r} map to the same directory name {d!r}")
-        names[d] = s
+        if d in dirs:
+            raise ValueError(f"{field_name}: specs {dirs[d]!r} and {s!r} map to the same directory name {d!r}")
+        seen[canon] = dirs[d] = s
+        specs.append(spec)
     return specs
 
 
