@@ -224,7 +224,7 @@ def test_first_ctrl_c_finishes_the_step_then_checkpoints(tmp_path, monkeypatch):
         calls["n"] += 1
         if calls["n"] == 2:  # mid-step 2: the rollout is done, the update is not
             signal.raise_signal(signal.SIGINT)
-            assert tr._stop_requested  # handled already: nothing left to chance
+            assert tr.signals.requested  # handled already: nothing left to chance
         return out
 
     monkeypatch.setattr(tr, "_collect", collect)
@@ -277,18 +277,18 @@ def test_smoke_on_the_real_embedded_model(tmp_path):
 def test_policy_loss_gets_its_own_aggregation_unless_one_is_set():
     from tokencredit.config import LossConfig
     from tokencredit.losses import get_policy_loss
-    from tokencredit.trainer import _policy_loss_config
+    from tokencredit.update import policy_loss_config
 
     sapo, ppo = get_policy_loss("sapo"), get_policy_loss("ppo")
-    assert _policy_loss_config(sapo, LossConfig()).agg_mode == "seq-mean-token-mean"
-    assert _policy_loss_config(ppo, LossConfig()).agg_mode == "token-mean"
+    assert policy_loss_config(sapo, LossConfig()).agg_mode == "seq-mean-token-mean"
+    assert policy_loss_config(ppo, LossConfig()).agg_mode == "token-mean"
     lc = LossConfig(agg_mode="seq-mean-token-sum-norm", norm_constant=64.0)
-    got = _policy_loss_config(sapo, lc)
+    got = policy_loss_config(sapo, lc)
     assert (got.agg_mode, got.norm_constant) == ("seq-mean-token-sum-norm", 64.0)
     with pytest.raises(ValueError, match=r"loss.dual_clip: policy loss 'sapo' has no such setting.*got 3.0"):
-        _policy_loss_config(sapo, LossConfig(dual_clip=3.0))
+        policy_loss_config(sapo, LossConfig(dual_clip=3.0))
     with pytest.raises(ValueError, match="norm_constant"):
-        _policy_loss_config(ppo, LossConfig(norm_constant=64.0))  # only for seq-mean-token-sum-norm
+        policy_loss_config(ppo, LossConfig(norm_constant=64.0))  # only for seq-mean-token-sum-norm
 
 
 def test_norm_constant_scales_the_loss_and_survives_micro_batching(tmp_path):

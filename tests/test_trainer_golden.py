@@ -148,6 +148,15 @@ def _close(got, want, where: str = "") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The cases train on one thread (``threads=1`` sets torch's for the process); later tests
+    get the count back (a run in a child process compares with one in this process)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 def _stored() -> dict:
     return json.loads(GOLDEN.read_text())
 

@@ -13,7 +13,7 @@ from tokencredit.forward import forward_response
 from tokencredit.losses import get_policy_loss
 from tokencredit.signals import token_signals
 from tokencredit.spec import CreditPipeline
-from tokencredit.trainer import _policy_loss_config
+from tokencredit.update import policy_loss_config
 
 from test_trainer import _cfg, _metrics, _trainer
 
@@ -92,25 +92,25 @@ def test_pact_critic_trains_on_the_updated_actors_hidden_states(tmp_path, monkey
 def test_a_methods_paper_aggregation_is_the_default_and_the_user_wins():
     ppo = get_policy_loss("ppo")
     # Dr. GRPO: seq-mean-token-sum-norm with the generation budget as the constant
-    got = _policy_loss_config(ppo, LossConfig(), CreditPipeline("dr_grpo"), 48)
+    got = policy_loss_config(ppo, LossConfig(), CreditPipeline("dr_grpo"), 48)
     assert (got.agg_mode, got.norm_constant) == ("seq-mean-token-sum-norm", 48.0)
-    got = _policy_loss_config(ppo, LossConfig(norm_constant=10.0), CreditPipeline("dr_grpo"), 48)
+    got = policy_loss_config(ppo, LossConfig(norm_constant=10.0), CreditPipeline("dr_grpo"), 48)
     assert (got.agg_mode, got.norm_constant) == ("seq-mean-token-sum-norm", 10.0)
-    got = _policy_loss_config(ppo, LossConfig(agg_mode="token-mean"), CreditPipeline("dr_grpo"), 48)
+    got = policy_loss_config(ppo, LossConfig(agg_mode="token-mean"), CreditPipeline("dr_grpo"), 48)
     assert got.agg_mode == "token-mean"
     # ARCA: per-trajectory length normalisation (the paper's estimator), in any pairing
     for spec in ("arca", "rloo+arca"):
-        assert _policy_loss_config(ppo, LossConfig(), CreditPipeline(spec), 48).agg_mode == "seq-mean-token-mean"
-    assert _policy_loss_config(ppo, LossConfig(agg_mode="token-sum"), CreditPipeline("arca"), 48).agg_mode == "token-sum"
+        assert policy_loss_config(ppo, LossConfig(), CreditPipeline(spec), 48).agg_mode == "seq-mean-token-mean"
+    assert policy_loss_config(ppo, LossConfig(agg_mode="token-sum"), CreditPipeline("arca"), 48).agg_mode == "token-sum"
     # methods without a declared aggregation keep the loss's own
-    assert _policy_loss_config(ppo, LossConfig(), CreditPipeline("grpo+taco"), 48).agg_mode == "token-mean"
+    assert policy_loss_config(ppo, LossConfig(), CreditPipeline("grpo+taco"), 48).agg_mode == "token-mean"
     # two papers' aggregations in one spec: the user must choose
     with pytest.raises(ValueError, match=r"dr_grpo\+arca.*loss.agg_mode"):
-        _policy_loss_config(ppo, LossConfig(), CreditPipeline("dr_grpo+arca"), 48)
-    assert _policy_loss_config(ppo, LossConfig(agg_mode="token-mean"), CreditPipeline("dr_grpo+arca"), 48).agg_mode == "token-mean"
+        policy_loss_config(ppo, LossConfig(), CreditPipeline("dr_grpo+arca"), 48)
+    assert policy_loss_config(ppo, LossConfig(agg_mode="token-mean"), CreditPipeline("dr_grpo+arca"), 48).agg_mode == "token-mean"
 
 
 def test_the_cli_trains_arca_with_per_sequence_aggregation(tmp_path):
     cfg = load_config(None, ["--credit", "arca", "--model.lora"])
-    tr_cfg = _policy_loss_config(get_policy_loss(cfg.loss.policy_loss), cfg.loss, CreditPipeline(cfg.credit), cfg.rollout.max_new_tokens)
+    tr_cfg = policy_loss_config(get_policy_loss(cfg.loss.policy_loss), cfg.loss, CreditPipeline(cfg.credit), cfg.rollout.max_new_tokens)
     assert tr_cfg.agg_mode == "seq-mean-token-mean"

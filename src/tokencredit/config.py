@@ -6,6 +6,12 @@
 
 Defaults are sized for the embedded SmolLM2-135M-Instruct on 2 CPU cores: a short run that
 finishes in about six minutes (357 s measured) and shows a learning signal on 1-digit multiplication.
+
+Three modules, one job each: ``config_fields`` checks a value against its field (types, ranges,
+bounded YAML), ``config_sections`` declares the sections (model, task, ..., log), and this
+module assembles ``TrainConfig`` from them and the credit methods' own configs: its checks,
+recipes, loading from YAML and the command line (tyro), and what a resume may change. Every
+name stays importable from here (``from tokencredit.config import ModelConfig, ConfigError``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,29 @@ from pathlib import Path
 from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple
 
 import yaml
+
+from .config_fields import (  # noqa: F401  (re-exported: tokencredit.config.X)
+    FIELD_RANGES,
+    YAML_MAX_DEPTH,
+    YAML_MAX_VALUES,
+    ConfigError,
+    _one_line,
+    _show,
+    check_section,
+    load_yaml_bounded,
+)
+from .config_sections import (  # noqa: F401  (re-exported: tokencredit.config.X)
+    CriticConfig,
+    DapoConfig,
+    DataConfig,
+    LogConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    TaskConfig,
+)
 
 __all__ = [
     "ModelConfig",
@@ -46,350 +75,6 @@ __all__ = [
 
 #: set while the command line is parsed: TrainConfig checks itself once, after tyro is done
 _DEFER_CHECKS: contextvars.ContextVar = contextvars.ContextVar("tokencredit_defer_checks", default=False)
-
-
-class ConfigError(ValueError):
-    """A configuration value of the wrong type or out of range (or a run directory that cannot
-    take the run). The message is one line: ``"field: expected X, got Y"``."""
-
-
-@dataclass(frozen=True)
-class _Range:
-    lo: Optional[float] = None
-    hi: Optional[float] = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def holds(self, v) -> bool:
-        if self.lo is not None and not (v > self.lo if self.lo_open else v >= self.lo):
-            return False
-        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
-
-    def text(self) -> str:
-        parts = []
-        if self.lo is not None:
-            parts.append(f"{'>' if self.lo_open else '>='} {self.lo}")
-        if self.hi is not None:
-            parts.append(f"{'<' if self.hi_open else '<='} {self.hi}")
-        return " and ".join(parts)
-
-
-_GE0, _GT0, _GE1 = _Range(0), _Range(0, lo_open=True), _Range(1)
-
-#: the range of each numeric field, by dotted name. Every field is also checked against its type
-#: annotation (ints are not floats or bools, floats are finite numbers, strings are non-empty).
-FIELD_RANGES: Dict[str, _Range] = {
-    "steps": _GE1, "seed": _Range(0, 2**32 - 1), "threads": _GE1, "save_every": _GE1, "keep_last": _GE1,
-    "model.lora_r": _GE1, "model.lora_alpha": _GE1,
-    "task.reward_timeout_s": _GT0, "task.n_train": _GE1,
-    # >= 1: the run evaluates at its last step at least, and an empty split is no accuracy of 0
-    "task.n_eval": _GE1,
-    "data.eval_fraction": _Range(0, 1, lo_open=True, hi_open=True),
-    "reward.max_failing_steps": _GE1, "reward.clipped_warn_ratio": _Range(0, 1, lo_open=True),
-    "rollout.prompts_per_step": _GE1,
-    "rollout.samples_per_prompt": _Range(2),  # group methods need a group
-    "rollout.max_new_tokens": _GE1, "rollout.max_batch_size": _GE1, "rollout.temperature": _GE0, "rollout.top_p": _Range(0, 1, lo_open=True),
-    "optim.lr": _GT0, "optim.weight_decay": _GE0, "optim.betas": _Range(0, 1, hi_open=True),
-    "optim.warmup_steps": _GE0, "optim.max_grad_norm": _GT0, "optim.micro_batch_size": _GE1, "optim.ppo_epochs": _GE1,
-    "loss.norm_constant": _GT0, "loss.clip_low": _Range(0, 1, hi_open=True), "loss.clip_high": _GE0,
-    "loss.dual_clip": _Range(1, lo_open=True), "loss.kl_coef": _GE0,
-    "critic.lr": _GT0, "critic.steps": _GE1,
-    "dapo.max_rounds": _GE1, "dapo.overlong_cache": _GE1,
-    "log.eval_every": _GE1, "log.eval_samples": _GE0,
-}
-
-
-def _choices() -> Dict[str, list]:
-    """The allowed values of the string fields that name something (looked up when validating)."""
-    from .losses import AGG_MODES, list_policy_losses
-    from .losses.kl import KL_KINDS
-    from .tasks import list_tasks
-
-    return {
-        "task.name": list_tasks(),
-        "loss.policy_loss": list_policy_losses(),
-        "loss.agg_mode": list(AGG_MODES),
-        "loss.kl_estimator": list(KL_KINDS),
-    }
-
-
-def _show(v: Any) -> str:
-    s = _REPR.repr(v)  # bounded: never the repr of a whole (aliased, huge) value
-    return s if len(s) <= 80 else s[:77] + "..."
-
-
-def _bounded_repr():
-    import reprlib
-
-    r = reprlib.Repr()
-    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 6, 6, 6, 6
-    r.maxstring, r.maxother, r.maxlong = 80, 80, 80
-    return r
-
-
-_REPR = _bounded_repr()
-
-#: bounds of a YAML document (a config file, a credit_args value): a config is a few dozen values
-#: nested four levels deep; a document past these would take unbounded time or memory to expand
-#: (nested aliases, "billion laughs") or to walk (deep nesting), so it is refused before any use
-YAML_MAX_DEPTH = 32
-YAML_MAX_VALUES = 10_000
-
-
-class _YamlTooBig(Exception):
-    pass
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with the nesting depth bounded while composing (it recurses)."""
-
-    def compose_node(self, parent, index):
-        self._depth = getattr(self, "_depth", 0) + 1
-        try:
-            if self._depth > YAML_MAX_DEPTH:
-                raise _YamlTooBig(f"nesting deeper than {YAML_MAX_DEPTH} levels")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-# YAML 1.2's floats: PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-6` would be
-# the string "1e-6"; this loader reads 1e-6, 3E+2 and 1.5e-3 as floats (1.0 and 0.5 as before)
-_BoundedLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _expanded_size_ok(value: Any) -> None:
-    """Count the values of ``value`` as its users would see them (an alias counts each time it
-    is used), stopping at :data:`YAML_MAX_VALUES`: the cost is bounded, whatever the document."""
-    n, stack = 0, [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        n += 1
-        if n > YAML_MAX_VALUES:
-            raise _YamlTooBig(f"more than {YAML_MAX_VALUES} values once its aliases are expanded")
-        if depth > YAML_MAX_DEPTH:
-            raise _YamlTooBig(f"nesting deeper than {YAML_MAX_DEPTH} levels")
-        if isinstance(v, dict):
-            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
-        elif isinstance(v, (list, tuple)):
-            stack.extend((x, depth + 1) for x in v)
-
-
-def load_yaml_bounded(text: str, where: str) -> Any:
-    """``yaml.safe_load(text)`` with its depth and expanded size bounded (see
-    :data:`YAML_MAX_DEPTH`, :data:`YAML_MAX_VALUES`); a :class:`ConfigError` naming ``where``."""
-    try:
-        value = yaml.load(text, Loader=_BoundedLoader)
-        _expanded_size_ok(value)
-    except _YamlTooBig as e:
-        raise ConfigError(f"{where}: expected a config of at most {YAML_MAX_VALUES} values nested at most "
-                          f"{YAML_MAX_DEPTH} levels, got {e}") from None
-    return value
-
-
-def _one_line(e: BaseException) -> str:
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    return " ".join(str(msg).split())
-
-
-def _type_ok(v: Any, tp: Any, finite: bool = True) -> Tuple[bool, str]:
-    """Whether ``v`` has the annotated type ``tp``, and the type's name for the message.
-    ``finite=False``: a float may be infinite (never NaN), as where a method's "off" is inf."""
-    import typing
-
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        inner = [a for a in args if a is not type(None)]
-        ok, name = _type_ok(v, inner[0], finite)
-        return v is None or ok, f"None or {name}"
-    if origin is Literal:
-        return v in args, "one of " + ", ".join(map(repr, args))
-    if origin in (tuple, Tuple):
-        if args and args[-1] is Ellipsis:
-            ok, name = _type_ok(None, args[0], finite)
-            plural = re.sub(r"^an? ", "", name) + "s"
-            return isinstance(v, (tuple, list)) and all(_type_ok(x, args[0], finite)[0] for x in v), f"a list of {plural}"
-        names = [_type_ok(None, a, finite)[1] for a in args]
-        ok = isinstance(v, (tuple, list)) and len(v) == len(args) and all(_type_ok(x, a, finite)[0] for x, a in zip(v, args))
-        return ok, f"a list of {len(args)} ({', '.join(names)})"
-    if tp is bool:
-        return isinstance(v, bool), "true or false"
-    if tp is int:
-        return isinstance(v, int) and not isinstance(v, bool), "an integer"
-    if tp is float:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (math.isfinite(v) if finite else not math.isnan(v))
-        return ok, "a finite number" if finite else "a number"
-    if tp is str:
-        return isinstance(v, str) and v.strip() != "", "a non-empty string"
-    return True, getattr(tp, "__name__", str(tp))
-
-
-def check_section(section: Any, prefix: str = "", finite: bool = True) -> None:
-    """Check every field of one config dataclass against its annotation and ``FIELD_RANGES``;
-    raise :class:`ConfigError` naming the first bad field (``"optim.lr: expected ..., got ..."``).
-    ``finite=False`` lets floats be infinite (a method config's own checks bound them)."""
-    import typing
-
-    hints = typing.get_type_hints(type(section))
-    choices = None
-    for f in dataclasses.fields(section):
-        name, v, tp = f"{prefix}{f.name}", getattr(section, f.name), hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(v, tp):
-                raise ConfigError(f"{name}: expected a {tp.__name__} (a mapping of its fields), got {_show(v)}")
-            continue
-        ok, expected = _type_ok(v, tp, finite)
-        rng = FIELD_RANGES.get(name)
-        if ok and rng is not None and v is not None:
-            ok = all(rng.holds(x) for x in (v if isinstance(v, (tuple, list)) else (v,)))
-        if not ok:
-            if rng is not None:
-                expected += f" {rng.text()}" if not isinstance(v, (tuple, list)) and "list" not in expected else f", each {rng.text()}"
-            raise ConfigError(f"{name}: expected {expected}, got {_show(v)}")
-        if isinstance(v, str):
-            if choices is None:
-                choices = _choices()
-            if name in choices and v not in choices[name]:
-                raise ConfigError(f"{name}: expected one of {choices[name]}, got {_show(v)}")
-
-
-@dataclass
-class ModelConfig:
-    name: str = "embedded:smollm2-135m-instruct"  # the policy: an embedded model, a hub id or a local path
-    cache_dir: Optional[str] = None  # where the embedded GGUF is converted once ($TOKENCREDIT_CACHE)
-    lora: bool = False  # ARCA requires LoRA
-    lora_r: int = 16  # LoRA rank r
-    lora_alpha: int = 32  # LoRA alpha: the adapter's update is scaled by alpha / r (peft)
-    lora_targets: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # modules the adapter wraps
-    reference: Optional[str] = None  # frozen reference model for KL / divergence ("self" = initial policy)
-    teacher: Optional[str] = None  # frozen teacher for OPD / OPPO teacher-oracle
-
-
-@dataclass
-class TaskConfig:
-    name: str = "mul1"  # add1, add2, mul1, word, mix, gsm8k, math
-    path: Optional[str] = None  # local jsonl/parquet for gsm8k/math
-    reward_fn: Optional[str] = None  # "package.module:function", replaces the task's reward
-    # seconds a reward function may take per completion (a call on N completions: N times this);
-    # a slower call is ended (its worker process killed) and counts as a failure
-    reward_timeout_s: float = 5.0
-    n_train: int = 512  # training prompts
-    n_eval: int = 32  # held-out prompts for evaluation
-
-
-@dataclass
-class DataConfig:
-    """Own data, read through ``datasets`` (tokencredit.datasource); set ``path`` to use it
-    instead of task.name's built-in task."""
-
-    path: Optional[str] = None  # a .json/.jsonl/.csv/.parquet file, a folder of them, or a hub id owner/name[:config]
-    split: str = "train"  # the training split (a single file is one split, train)
-    eval_path: Optional[str] = None  # evaluation rows from another file, folder or hub id
-    eval_split: Optional[str] = None  # the evaluation split (of eval_path, else of path)
-    # the share of the training rows held out for evaluation when no eval split is given or found (None: 0.1)
-    eval_fraction: Optional[float] = None
-    prompt_column: str = "prompt"  # the prompt: a string, or a list of chat messages (TRL's conversational format, verl's prompt)
-    # the reference answer (a dotted name reaches into a mapping: reward_model.ground_truth); None: answer, solution or reward_model.ground_truth if present
-    answer_column: Optional[str] = None
-    system_prompt: Optional[str] = None  # a system message put before every prompt
-    # the user text as sent, with {prompt} for the row's prompt, e.g. "{prompt} Put your final answer within \\boxed{}."; None: the prompt as it is
-    prompt_template: Optional[str] = None
-
-
-@dataclass
-class RewardConfig:
-    """Reward functions with TRL's contract (tokencredit.rewards); unset: the task's own reward."""
-
-    # built-in names (math, numeric) or "module:function" / "file.py:function" taking TRL's keyword arguments
-    funcs: Tuple[str, ...] = ()
-    weights: Tuple[float, ...] = ()  # one weight per function (default 1.0 each), as TRL's reward_weights
-    # stop the run when a function fails on every completion of this many consecutive steps
-    max_failing_steps: int = 2
-    # warn when more than this share of completions hit rollout.max_new_tokens (completions/clipped_ratio)
-    clipped_warn_ratio: float = 0.5
-
-
-@dataclass
-class RolloutConfig:
-    prompts_per_step: int = 4  # prompts per training step, each sampled samples_per_prompt times
-    samples_per_prompt: int = 4  # K, the group size
-    max_new_tokens: int = 32  # generation budget per response
-    temperature: float = 0.7  # ecosystem: T=1.0 removes almost all signal on a 135M model
-    top_p: float = 1.0  # nucleus sampling (1.0: off)
-    # rows per generate call (a step's prompts x samples, or eval's prompts, in as few calls as
-    # this allows; prompts bucketed by length). Decode tokens/s grows with the batch up to ~64-128
-    # rows on a CPU (benchmarks/decode.py); the returned logits take rows x max_new_tokens x vocab floats
-    max_batch_size: int = 64
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 2e-6  # AdamW learning rate of the policy
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: Tuple[float, float] = (0.9, 0.99)  # AdamW betas
-    warmup_steps: int = 0  # linear learning-rate warm-up from 0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"  # learning rate after the warm-up
-    max_grad_norm: float = 1.0  # gradient-norm clip
-    micro_batch_size: int = 8  # responses per forward/backward; gradients accumulate over the batch
-    ppo_epochs: int = 1  # optimizer steps per rollout batch, each against the rollout's log-probs
-    # with ppo_epochs=1, the policy pass's signals (old log-probs, entropy, top-1 probability) come
-    # from the update's own forward, detached, instead of a separate no-grad pass
-    # (passes.update_gives); holds every micro-batch's graph until the credit is computed
-    one_pass: bool = True
-    # torch's fused AdamW kernel (one pass over each parameter instead of a dozen foreach
-    # kernels: 0.16 s against 0.67 s per step for SmolLM2-135M on one CPU thread); the update is
-    # the same algorithm. Turned off by hand, or automatically on devices without the kernel.
-    fused_adamw: bool = True
-
-
-@dataclass
-class LossConfig:
-    policy_loss: str = "ppo"  # ppo | sapo (tokencredit.losses registry)
-    # None = the policy loss's own default: token-mean for ppo (verl's default, DAPO's token-level
-    # loss), seq-mean-token-mean for sapo (as verl hard-codes it)
-    agg_mode: Optional[str] = None
-    norm_constant: Optional[float] = None  # C of seq-mean-token-sum-norm (Dr. GRPO: the generation budget); None = padded length
-    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low (PPO)
-    clip_high: float = 0.28  # DAPO clip-higher, also TACO's and STARE's recipe
-    dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
-    kl_coef: float = 0.0  # TACO/DAPO recipe: no KL
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL to the reference)
-
-
-@dataclass
-class CriticConfig:
-    """Value head for gae and pact (a linear head on the policy's detached final hidden states)."""
-
-    lr: float = 1e-3  # AdamW learning rate of the value head
-    steps: int = 1  # critic optimisation steps per training step
-    # PACT's importance-sampling range is PACT's own setting: --credit-config.pact.is-low / .is-high
-
-
-@dataclass
-class DapoConfig:
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, regenerate to fill
-    max_rounds: int = 3  # bounded regeneration
-    overlong_shaping: bool = False  # DAPO's soft overlong punishment on responses near max_new_tokens
-    # C: the penalty ramps over the last C tokens before max_new_tokens. None = max_new_tokens // 5,
-    # the DAPO paper's proportion (a 4096-token cache on a 20480-token maximum)
-    overlong_cache: Optional[int] = None
-
-
-@dataclass
-class LogConfig:
-    eval_every: int = 10  # evaluate every N steps (and at the last)
-    # evaluate once before the first step (logged as step 0): the baseline a run's curves start from
-    eval_at_start: bool = True
-    eval_samples: int = 4  # k for mean@k
-    save_rollouts: bool = True  # save each evaluated step's rollout batch under eval/ (tokencredit inspect)
-    tensorboard: bool = False  # TensorBoard logs under output_dir
-    wandb: bool = False  # log to Weights & Biases
-    wandb_project: str = "tokencredit"  # the W&B project (with --log.wandb)
-    progress: bool = True  # a progress bar on stderr
 
 
 def _make_method_configs() -> type:
@@ -887,3 +572,4 @@ def _same_methods(a: Dict[str, Any], b: Dict[str, Any]) -> Tuple[Dict[str, Any],
         except (KeyError, ValueError):
             pass  # not a method of this version: the difference is reported
     return dict(a, credit_config={**defaults, **ca}), dict(b, credit_config={**defaults, **cb})
+

@@ -16,6 +16,8 @@
   logged twice. :func:`read_metrics` reads the file and skips a damaged line with a warning.
 * :func:`write_atomic`: a small file written to a temporary sibling and renamed into place;
   a full disk is a :class:`DiskFullError` (one line) and leaves no temporary file.
+* :class:`RunLog`: a run's logs as it opens them: ``config.json`` (atomic), ``metrics.jsonl``
+  (a :class:`MetricsWriter`), TensorBoard and W&B when asked.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "RunFolderError",
     "RunFolderWarning",
     "RunLock",
+    "RunLog",
     "check_run_folder",
     "claim_run_folder",
     "holds_run",
@@ -300,3 +303,36 @@ def read_metrics(path: os.PathLike | str) -> List[Dict[str, Any]]:
             continue
         rows.append(row)
     return rows
+
+
+class RunLog:
+    """The logs of a run as it starts: ``config.json`` written (atomically), ``metrics.jsonl``
+    opened for whole-line appends (a torn last line cut off; ``resume_step``: the rows past the
+    checkpoint dropped), TensorBoard (``<folder>/tensorboard``) and W&B when asked.
+    :meth:`write` logs one row to all of them."""
+
+    def __init__(self, folder: os.PathLike | str, config: Dict[str, Any], *, resume_step: Optional[int] = None,
+                 tensorboard: bool = False, wandb_project: Optional[str] = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.folder / "config.json", json.dumps(config, indent=2), "config.json")
+        self.metrics = MetricsWriter(self.folder / "metrics.jsonl", resume_step=resume_step)
+        self._writers: List[Any] = []
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb = SummaryWriter(str(self.folder / "tensorboard"))
+            self._writers.append(lambda m, s: [tb.add_scalar(k, v, s) for k, v in m.items()])
+        if wandb_project is not None:
+            import wandb
+
+            wandb.init(project=wandb_project, config=config, dir=str(self.folder))
+            self._writers.append(lambda m, s: wandb.log(m, step=s))
+
+    def write(self, metrics: Dict[str, float], step: int) -> None:
+        self.metrics.write(metrics)  # a whole line, fsynced
+        for w in self._writers:
+            w(metrics, step)
+
+    def close(self) -> None:
+        self.metrics.close()
