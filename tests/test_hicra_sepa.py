@@ -4,6 +4,8 @@ and the planning-token detector on hand cases."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -145,12 +147,87 @@ def test_sepa_schedule_gate_and_state():
     assert pipe.states["sepa"].step == 1
 
 
-def test_trainers_refuse_a_planning_mask_spec_in_one_line():
-    for spec in ("hicra", "gtpo+sepa", "oppo+hicra"):
-        with pytest.raises(PlanError) as ei:
-            plan_signals(CreditPipeline(spec), lora=False)
+def _word_tokenizer():
+    """A real HF tokenizer whose tokens carry byte-level BPE's word marker (what SmolLM2's and
+    Qwen's tokenizers decode a token to, one at a time, is the word with or without a space)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "Hmm,", "\u0120wait", "\u0120let", "\u0120me", "\u0120check", ":", "\u012012", "\u0120so"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>"), {w: i for i, w in enumerate(words)}
+
+
+def test_the_passes_compute_the_planning_mask_from_the_decoded_tokens():
+    from tokencredit.passes import PassInputs, PassModels, run_passes
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    tok, ids = _word_tokenizer()
+    rows = [["Hmm,", "\u0120wait", "\u0120let", "\u0120me", "\u0120check", ":", "\u012012"],
+            ["\u0120so", "\u012012", "<pad>", "<pad>", "<pad>", "<pad>", "<pad>"]]
+    resp = torch.tensor([[ids[w] for w in r] for r in rows])
+    mask = torch.tensor([[1] * 7, [1, 1, 0, 0, 0, 0, 0]])
+    plan = plan_signals(CreditPipeline("hicra"), lora=False)
+    assert plan.passes == ()  # no model pass: the decoded tokens only
+    inp = PassInputs(input_ids=resp, attention_mask=mask, prompt_len=0, response_ids=resp, response_mask=mask,
+                     decode=tok.decode)
+    out = run_passes(plan, PassModels(policy=tiny_model_and_tokenizer()[0]), inp, temperature=1.0, micro_batch_size=2)
+    # "wait let me" and "let me check" match; the window from "Hmm," reaches "wait let me"
+    assert out["planning_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match=r"^planning_mask: expected PassInputs.decode"):
+        run_passes(plan, PassModels(policy=tiny_model_and_tokenizer()[0]),
+                   PassInputs(input_ids=resp, attention_mask=mask, prompt_len=0, response_ids=resp, response_mask=mask),
+                   temperature=1.0, micro_batch_size=2)
+
+
+@pytest.mark.parametrize("spec", ["hicra", "gtpo+sepa"])
+def test_the_own_trainer_trains_on_the_planning_mask_of_its_rollouts(tmp_path, spec):
+    """One step: the credit batch's planning mask is the detector on the step's tokens, decoded
+    with the run's tokenizer. The tiny character model never writes a strategic gram, so its
+    tokenizer decodes every single token to one ("the key is"): every valid token is planning."""
+    from test_trainer import _cfg, _trainer
+
+    cfg = _cfg(tmp_path, credit=spec)
+    cfg.rollout = dataclasses.replace(cfg.rollout, prompts_per_step=3, samples_per_prompt=4)
+    tr = _trainer(cfg)
+    real = tr.tokenizer.decode
+    tr.tokenizer.decode = lambda token_ids, **k: " the key is" if len(token_ids) == 1 else real(token_ids, **k)
+    m = tr.train_step()
+    cb = tr._last_batch["credit_batch"]
+    assert torch.equal(cb.planning_mask.bool(), cb.mask)
+    if spec == "hicra":
+        assert m["hicra/planning_frac"] == 1.0
+        grpo = CreditPipeline("grpo")(cb, update_state=False).advantages
+        torch.testing.assert_close(tr._last_batch["credit"].advantages, grpo + 0.2 * grpo.abs())
+
+
+def test_trls_trainer_trains_on_the_planning_mask_of_its_completions(tmp_path):
+    """TokenCreditGRPOTrainer: the planning mask comes from TRL's completions decoded with its
+    tokenizer (every token decodes to a gram here, as above); the advantages are the core's."""
+    pytest.importorskip("trl")
+    import test_trl
+
+    trainer = test_trl._make(tmp_path, "hicra", config={})
+    real = trainer._tokenizer.decode
+    trainer._tokenizer.decode = lambda token_ids, **k: " the key is" if len(token_ids) == 1 else real(token_ids, **k)
+    trainer.train()
+    assert trainer.records
+    for rec in trainer.records:
+        b = rec["batch"]
+        assert torch.equal(b.planning_mask.bool(), b.mask)
+        torch.testing.assert_close(rec["out"]["advantages"].float(), CreditPipeline("hicra")(b, update_state=False).advantages.float())
+
+
+def test_verl_refuses_a_planning_mask_spec_in_one_line():
+    pytest.importorskip("verl")
+    from tokencredit.integrations.verl.core import check_supported
+
+    for spec in ("hicra", "gtpo+sepa"):
+        with pytest.raises(ValueError) as ei:
+            check_supported(CreditPipeline(spec))
         msg = str(ei.value)
-        assert "planning_mask" in msg and "do not compute" in msg and "\n" not in msg, msg
+        assert "planning_mask" in msg and "\n" not in msg, msg
 
 
 def test_config_errors_name_the_field():

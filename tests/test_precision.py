@@ -103,3 +103,32 @@ def test_a_run_written_before_the_new_fields_resumes_at_their_old_equivalent():
     assert config_diff(old, new) == []
     changed = dict(new, precision="bf16")
     assert config_diff(old, changed) == ["precision: None -> 'bf16'"]
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_bf16_old_logprobs_are_the_updates_numerics_not_the_bf16_rollouts(tmp_path, monkeypatch, ppo_epochs):
+    """GRPO declares no policy pass, so in fp32 the old log-probs are the rollout's. Under bf16
+    the rollout samples from a bf16 weight copy and the update runs under autocast, whose
+    log-probs differ; the old log-probs then come from the update's numerics: its own first
+    forward with one epoch (no separate pass), a policy pass with several. The first epoch's
+    ratio is 1 on every token."""
+    import tokencredit.passes as passes
+
+    seen = []
+    real = passes.run_passes
+    monkeypatch.setattr(passes, "run_passes", lambda plan, *a, **k: (seen.append(plan.passes), real(plan, *a, **k))[1])
+    cfg = _cfg(tmp_path, credit="grpo", precision="bf16", steps=1)
+    cfg.optim = dataclasses.replace(cfg.optim, ppo_epochs=ppo_epochs)
+    cfg.log = dataclasses.replace(cfg.log, save_rollouts=False)  # a saved batch runs every pass
+    cfg.rollout = dataclasses.replace(cfg.rollout, prompts_per_step=3, samples_per_prompt=4)
+    tr = _trainer(cfg)
+    m = tr.train_step()
+    assert m["grad_norm"] > 0.0
+    if ppo_epochs == 1:
+        assert all("policy" not in p for p in seen)  # the update's forward gave them
+        assert m["loss/ppo/ratio_max"] == 1.0 and m["loss/ppo/ratio_min"] == 1.0
+    else:
+        assert any("policy" in p for p in seen)
+    # in fp32 the plan is unchanged: GRPO keeps the rollout's log-probs
+    tr32 = _trainer(_cfg(tmp_path / "fp32", credit="grpo", precision="fp32"))
+    assert "logprobs" not in tr32.plan.policy

@@ -8,7 +8,8 @@ One resumable run per spec and seed lives in ``<out>/<spec>/seed<k>/`` (an ordin
 Afterwards ``<out>/report.md`` holds a summary table and ``<out>/plots/*.png`` one figure per
 metric with every spec on it (mean over seeds, shaded min-max over seeds).
 
-The module is split in two:
+One job in two parts, kept in one module (just past ~600 lines) because both read
+:class:`CompareSpec` and the run-directory layout:
 
 * pure parts, testable without training: :func:`parse_specs`, :func:`parse_seeds`,
   :func:`run_dir_name`, :func:`read_metrics`, :func:`load_results`, :func:`summarize`,

@@ -145,7 +145,7 @@ def _signals_of(saved: Dict[str, Any]) -> Dict[str, Any]:
     if "token_ids" not in sig and saved.get("response_ids") is not None:
         sig["token_ids"] = torch.as_tensor(saved["response_ids"])
     if "planning_mask" not in sig:  # HICRA / SEPA: strategic grams in the decoded tokens
-        from .methods.hicra import planning_mask_of
+        from .planning import planning_mask_of
 
         mask = torch.as_tensor(sig["response_mask"]).bool()
         pm = torch.zeros(mask.shape, dtype=torch.long)

@@ -18,6 +18,7 @@ import torch
 
 from .forward import forward_response
 from .plan import SignalPlan
+from .planning import planning_mask
 from .signals import hidden_residual, token_signals
 
 __all__ = ["PassInputs", "PassModels", "run_passes", "oracle_texts", "join_prompts_and_responses", "update_gives"]
@@ -34,6 +35,8 @@ class PassInputs:
     oracle_input_ids: Optional[torch.Tensor] = None
     oracle_attention_mask: Optional[torch.Tensor] = None
     oracle_prompt_len: Optional[int] = None
+    # one response token's text (a tokenizer's decode of [id]): the planning_mask signal
+    decode: Optional[Callable[[List[int]], str]] = None
 
 
 @dataclass
@@ -152,6 +155,10 @@ def run_passes(
     res = {k: torch.cat(v) for k, v in out.items()}
     if "token_ids" in plan.signals:  # the rollout's own tokens: no pass
         res["token_ids"] = inp.response_ids
+    if "planning_mask" in plan.signals and "planning_mask" not in given:  # the decoded tokens: no pass
+        if inp.decode is None:
+            raise ValueError("planning_mask: expected PassInputs.decode (the tokenizer's decode) to find the planning tokens, got None")
+        res["planning_mask"] = planning_mask(inp.response_ids, inp.response_mask, inp.decode)
     for k, v in given.items():
         if k in plan.signals:
             res.setdefault(k, v)

@@ -22,7 +22,7 @@ from outside the package and runs them through both trainers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 from .registry import CriticSpec, OraclePass, default_oracle
 from .spec import CreditPipeline
@@ -33,7 +33,9 @@ __all__ = ["SignalPlan", "PlanError", "plan_signals"]
 POLICY_SIGNALS = ("logprobs", "entropy", "mode_prob")
 #: signals no trainer computes yet (a spec reading one is refused before any model loads);
 #: inspect and fidelity derive them from a rollouts file
-UNCOMPUTED_SIGNALS = {"planning_mask": "the strategic-gram planning tokens of the decoded response"}
+#: signals computed from the rollout's tokens alone, without a model pass (passes.run_passes)
+TOKEN_ONLY_SIGNALS = frozenset({"token_ids", "planning_mask"})
+UNCOMPUTED_SIGNALS: Dict[str, str] = {}  # signals no trainer computes, with what they are (none at present)
 
 
 class PlanError(ValueError):
@@ -104,8 +106,9 @@ def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool) -> 
             raise PlanError("oracle_logprobs: expected a registered method that declares a policy-scored oracle pass, got none")
     return SignalPlan(
         signals=signals,
-        # the policy pass always gives log-probs (the loss's old log-probs come from it)
-        policy=(("logprobs",) + tuple(p for p in policy if p != "logprobs")) if signals else (),
+        # the policy pass always gives log-probs (the loss's old log-probs come from it); signals
+        # read off the rollout's tokens (token_ids, planning_mask) need no pass
+        policy=(("logprobs",) + tuple(p for p in policy if p != "logprobs")) if signals - TOKEN_ONLY_SIGNALS else (),
         policy_hidden="values" in signals or "hidden_residual" in signals,
         adapter_off=adapter_off,
         reference=needs_ref and not ref_from_adapter,

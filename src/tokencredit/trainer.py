@@ -355,7 +355,7 @@ class Trainer:
         fused = update_gives(plan, self.cfg.optim.ppo_epochs) if self.cfg.optim.one_pass else ()
         if fused:
             plan = dataclasses.replace(plan, policy=())
-        sig = self._signals(batch, plan) if plan.passes else {}
+        sig = self._signals(batch, plan) if plan.passes or plan.signals else {}
         pre = None
         if fused:
             want = ("logprobs", "entropy") + tuple(k for k in fused if k not in ("logprobs", "entropy"))
@@ -376,6 +376,7 @@ class Trainer:
             oracle_input_ids=batch.oracle_input_ids if own else batch.input_ids,
             oracle_attention_mask=batch.oracle_attention_mask if own else batch.attention_mask,
             oracle_prompt_len=batch.oracle_prompt_len if own else batch.prompt_len,
+            decode=self.tokenizer.decode,
         )
         models = PassModels(policy=self.model, reference=self.reference, teacher=self.teacher, critic=self.critic)
         with self._autocast():
@@ -560,7 +561,7 @@ def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=Non
     from .models import is_lora
 
     try:
-        return plan_signals(
+        plan = plan_signals(
             credit,
             lora=bool(cfg.model.lora or (model is not None and is_lora(model))),
             kl=cfg.loss.kl_coef > 0,
@@ -569,6 +570,13 @@ def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=Non
         )
     except PlanError as e:
         raise ConfigError(str(e)) from None
+    if cfg.precision == "bf16" and "logprobs" not in plan.policy:
+        # bf16 samples from a bf16 copy of the weights and updates under autocast: the rollout's
+        # log-probs differ from the update's by up to tens of percent on single tokens
+        # (docs/performance.md), so the old log-probs come from the policy in the update's
+        # numerics; with one epoch that is the update's own forward, at no extra cost
+        plan = dataclasses.replace(plan, policy=plan.policy + ("logprobs",))
+    return plan
 
 
 def _frozen_copy(model):

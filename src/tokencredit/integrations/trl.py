@@ -445,7 +445,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         mask = out["completion_mask"]
         if "tool_mask" in out:
             mask = mask * out["tool_mask"]
-        signals = self._credit_signals(out, inputs) if self._plan.passes else {}
+        signals = self._credit_signals(out, inputs) if self._plan.passes or self._plan.signals else {}
         # the pre-update (behaviour) log-probs: TRL's generation-time pass when it ran one, else
         # the policy pass's (AR-Lopti reads them)
         old = out.get("old_per_token_logps")
@@ -495,7 +495,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         if out.get("ref_per_token_logps") is not None:  # beta > 0: TRL's reference pass
             given["ref_logprobs"] = out["ref_per_token_logps"]
         inp = PassInputs(input_ids=ids, attention_mask=att, prompt_len=P, response_ids=completion_ids,
-                         response_mask=out["completion_mask"])
+                         response_mask=out["completion_mask"], decode=self._tokenizer.decode)
         if plan.oracle is not None:
             inp.oracle_input_ids, inp.oracle_attention_mask, inp.oracle_prompt_len = self._oracle_inputs(inputs, out, ids, att)
         mm = {k: out[k] for k in _MM_KEYS if k in out}

@@ -17,67 +17,25 @@ from ``retrain/config/schema.py``). The HICRA paper (Wang et al. 2025, "Emergent
 reasoning in LLMs through RL") defines the same amplification on GRPO's advantages; here HICRA
 is a calibrator after any estimator (``"hicra"`` = ``"grpo+hicra"``).
 
-The planning mask is the ``planning_mask`` signal of the batch: ``tokencredit inspect`` and
-``fidelity`` derive it from a rollouts file's decoded tokens; the trainers do not compute it
-yet and refuse a spec that reads it (``plan.plan_signals``).
+The planning mask is the ``planning_mask`` signal of the batch (:mod:`tokencredit.planning`):
+the trainers compute it from the step's decoded response tokens (``passes.run_passes``, own
+trainer and TRL); ``tokencredit inspect`` and ``fidelity`` from a rollouts file's decoded tokens.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import List, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ..batch import CreditBatch
 from ..ops import check_advantages, masked_fill_zero, masked_mean
+from ..planning import DEFAULT_STRATEGIC_GRAMS, planning_mask_of
 from ..registry import CreditOutput, register_calibrator
 
 __all__ = ["HICRAConfig", "hicra", "planning_mask_of", "DEFAULT_STRATEGIC_GRAMS"]
-
-#: the strategic grams of retrain's default detector (retrain/advantages/planning.py)
-DEFAULT_STRATEGIC_GRAMS: Tuple[str, ...] = (
-    "wait let me", "let me think", "on second thought", "let me check", "let me verify",
-    "is this right", "double check", "try another approach", "go back and", "start over",
-    "that's not right", "that doesn't work", "another way to", "or we could", "what if we",
-    "notice that", "the key is", "the key insight",
-)
-
-
-def _clean(fragment: str) -> str:
-    # sentencepiece and byte-level BPE word markers count as spaces
-    return fragment.replace("\u2581", " ").replace("\u0120", " ").strip()
-
-
-@lru_cache(maxsize=16)
-def _pattern(grams: Tuple[str, ...]):
-    return re.compile("|".join(rf"\b{re.escape(g)}\b" for g in grams), re.IGNORECASE)
-
-
-def planning_mask_of(tokens: Sequence[str], grams: Sequence[str] = DEFAULT_STRATEGIC_GRAMS, max_window: int = 5) -> List[int]:
-    """1 for the tokens of a strategic-gram match, 0 elsewhere (one response's token strings)."""
-    n = len(tokens)
-    grams = tuple(grams)
-    if n == 0 or not grams:
-        return [0] * n
-    width = max(max_window, max(len(g.split()) for g in grams))
-    pat = _pattern(grams)
-    words = [_clean(t) for t in tokens]
-    out = [0] * n
-    for start in range(n):
-        text = ""
-        for end in range(start, min(start + width, n)):
-            if words[end]:
-                text = f"{text} {words[end]}" if text else words[end]
-            if pat.search(text):
-                out[start:end + 1] = [1] * (end + 1 - start)
-                break
-    return out
-
 
 @dataclass
 class HICRAConfig:

@@ -19,7 +19,8 @@ Provenance: **ref-code**: ``teilomillet/retrain`` (``retrain/advantages/credit.p
 then GTPO weighting; ``retrain/training/sepa.py``: the linear schedule and the correctness gate;
 defaults from ``retrain/config/schema.py``: beta 0.1, 500 steps, delay 50, gate 0.1). retrain's
 ``auto`` schedule (execution-entropy variance decay) is not implemented. The planning mask is
-HICRA's (:mod:`.hicra`); the trainers do not compute it yet and refuse a spec that reads it.
+HICRA's (:mod:`tokencredit.planning`), computed by the own trainer and TRL's from the decoded
+response tokens; verl's integration refuses a spec that reads it.
 """
 
 from __future__ import annotations

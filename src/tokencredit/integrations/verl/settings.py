@@ -53,8 +53,11 @@ LOSS_MODE = "tokencredit"
 TRAINER_MODE = "tokencredit_sync"
 ESTIMATOR_PREFIX = "tc_"
 
-# Signals no verl code path delivers to a credit method, with the reason (none at present).
-UNSUPPORTED_SIGNALS: Dict[str, str] = {}
+# Signals no verl code path delivers to a credit method, with the reason.
+UNSUPPORTED_SIGNALS: Dict[str, str] = {
+    "planning_mask": "the strategic-gram planning tokens of the decoded response (HICRA, SEPA) are not shipped to "
+    "verl's workers; expected a spec without hicra/sepa here (the own trainer and TokenCreditGRPOTrainer compute them)",
+}
 #: the value of ``actor_rollout_ref.model.model_type`` that selects tokencredit's actor engine
 #: (:mod:`.engine`), which returns the worker signals below from the actor's forward
 ENGINE_MODEL_TYPE = "tokencredit_language_model"
