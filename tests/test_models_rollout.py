@@ -389,3 +389,72 @@ def test_capped_rollout_buckets_prompts_by_length_and_pads_each_call_to_its_own(
     got = HFRollout(model, tok, max_batch_size=4).generate(prompts, num_samples=2, max_new_tokens=3, temperature=0.0)
     assert torch.equal(got.response_ids, ref.response_ids)
     torch.testing.assert_close(got.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# the sampler: inverse transform on greedy decoding, generate's distribution
+
+
+def test_inverse_cdf_choice_draws_each_token_with_its_probability():
+    from tokencredit.rollout import inverse_cdf_choice
+
+    p = torch.tensor([0.1, 0.0, 0.45, 0.25, 0.0, 0.2])
+    n = 20000
+    g = torch.Generator().manual_seed(0)
+    tok = inverse_cdf_choice(p.expand(n, -1), torch.rand(n, generator=g))
+    freq = torch.bincount(tok, minlength=6).double() / n
+    se = (p.double() * (1 - p.double()) / n).sqrt()
+    assert freq[1] == 0 and freq[4] == 0, "a zero-probability token was drawn"
+    assert torch.all((freq - p.double()).abs() <= 4 * se + 1e-12), (freq, p)
+    # unnormalised rows sample the normalised distribution; u's end points stay in range
+    assert inverse_cdf_choice(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.0])).item() == 2
+    assert inverse_cdf_choice(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.74])).item() == 2
+    assert inverse_cdf_choice(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.76])).item() == 0
+    assert inverse_cdf_choice(torch.tensor([[0.0, 3.0, 0.0]]), torch.tensor([1.0 - 2**-24])).item() == 1
+
+
+def test_inverse_cdf_choice_keeps_probabilities_below_float32_resolution():
+    """Token 1's probability (1e-9) is far below float32's step at 0.5 (6e-8): a float32 running
+    sum would give it an interval of width 0 and never draw it."""
+    from tokencredit.rollout import inverse_cdf_choice
+
+    p = torch.tensor([[0.5, 1e-9, 0.25]])  # float32, as softmax gives them
+    total = p.double().sum()
+    # (1 - u) * total falls just past 0.5, inside token 1's interval (0.5, 0.5 + 1e-9]
+    u = 1 - (0.5 + 5e-10) / total
+    assert inverse_cdf_choice(p, u.reshape(1)).item() == 1
+    assert inverse_cdf_choice(p, (1 - (0.5 - 5e-10) / total).reshape(1)).item() == 0
+    assert inverse_cdf_choice(p, (1 - (0.5 + 2e-9) / total).reshape(1)).item() == 2
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.6)])
+def test_rollout_samples_the_temperature_scaled_policy(temperature, top_p):
+    """The first token of 6,000 samples of one prompt against softmax(logits / T) from a plain
+    forward (top-p: the nucleus renormalised, nothing outside it): each token's frequency within
+    4.5 standard errors."""
+    model, tok = tiny_model_and_tokenizer(seed=1, eos_bias=0.0)
+    with torch.no_grad():  # a peaked distribution (the random model's is near uniform), so T matters
+        model.get_output_embeddings().weight.mul_(20.0)
+    n = 6000
+    rb = HFRollout(model, tok).generate(PROMPTS[:1], num_samples=n, max_new_tokens=1, temperature=temperature,
+                                        top_p=top_p, seed=0)
+    with torch.no_grad():
+        ids = rb.input_ids[:1, : rb.prompt_len]
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].double()
+    p = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:  # the nucleus: the most probable tokens whose mass reaches top_p
+        srt, idx = p.sort(descending=True)
+        keep = (srt.cumsum(0) - srt) < top_p
+        q = torch.zeros_like(p)
+        q[idx[keep]] = srt[keep]
+        p = q / q.sum()
+        assert int(keep.sum()) < len(p) // 2, "the fixture's nucleus should cut the vocabulary"
+    assert p.max() > 0.1, "the fixture's distribution should be peaked"
+    freq = torch.bincount(rb.response_ids[:, 0], minlength=len(p)).double() / n
+    assert torch.all(freq[p == 0] == 0), "a token outside the nucleus was drawn"
+    # bins: each token of probability >= 0.005, and the rest pooled (too rare to count alone)
+    big = p >= 0.005
+    pb = torch.cat([p[big], p[~big].sum().reshape(1)])
+    fb = torch.cat([freq[big], freq[~big].sum().reshape(1)])
+    se = (pb * (1 - pb) / n).sqrt()
+    assert torch.all((fb - pb).abs() <= 4.5 * se + 1e-9), ((fb - pb).abs() / (se + 1e-12)).max()

@@ -68,10 +68,10 @@ def _pact_step(tmp_path, monkeypatch, credit_args):
 
 def test_pact_critic_is_weighted_by_the_updated_actor_and_masks_outside_the_range(tmp_path, monkeypatch):
     tr, seen, inputs, mask, h_new, new_lp, old_lp = _pact_step(
-        tmp_path, monkeypatch, ("pact.is_low=0.9", "pact.is_high=1.1")
+        tmp_path, monkeypatch, ("pact.is_low=0.7", "pact.is_high=1.5")
     )
     ratio = torch.exp(new_lp - old_lp)
-    inside = mask & (ratio >= 0.9) & (ratio <= 1.1)
+    inside = mask & (ratio >= 0.7) & (ratio <= 1.5)
     # the case must exercise both sides: tokens kept with a ratio != 1 and tokens masked
     assert inside.any() and (mask & ~inside).any()
     assert (ratio[inside] - 1).abs().max() > 1e-3
