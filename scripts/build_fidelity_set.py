@@ -66,6 +66,12 @@ def parse():
     p.add_argument("--rows", default="all",
                    help="which responses to estimate: all, mixed (the prompt groups with both outcomes, where "
                         "group-relative methods give credit), mixed:N (the first N such groups) or comma-separated indices")
+    p.add_argument("--sampler", default="multinomial", choices=("multinomial", "inverse_cdf"),
+                   help="the training rollouts' sampler (rollout.sampler): the bundled sets' policies were trained "
+                        "with multinomial, so --rollouts-from reproduces their policy only with it")
+    p.add_argument("--crn", action="store_true",
+                   help="common random numbers: continuation m of every prefix of a response shares its sampling noise "
+                        "(docs/fidelity.md); the bundled per-token CRN set is built with it")
     p.add_argument("--critic-runs", default=None,
                    help="instead of building: train a run of each of these methods with a critic (comma-separated, "
                         "e.g. gae) with the same settings and seed, and store its critic evaluated on the batch of "
@@ -81,7 +87,7 @@ def train_config(a, credit: str, output_dir: Path):
         model=ModelConfig(lora=True),
         task=TaskConfig(name=a.task, n_eval=8),
         rollout=RolloutConfig(prompts_per_step=a.train_prompts, samples_per_prompt=a.samples,
-                              max_new_tokens=a.max_new_tokens, temperature=a.temperature),
+                              max_new_tokens=a.max_new_tokens, temperature=a.temperature, sampler=a.sampler),
         optim=OptimConfig(lr=a.lr, micro_batch_size=16),
         log=LogConfig(eval_every=10_000, eval_samples=0, eval_at_start=False, progress=True),
     )
@@ -180,7 +186,7 @@ def main() -> int:
     est = build_estimates(
         saved, sampling_model, trainer.tokenizer, reward, a.output, M=a.M, stride=a.stride, temperature=a.temperature,
         max_new_tokens=a.max_new_tokens, rows_per_batch=a.rows_per_batch, seed=a.seed,
-        baseline_batches=a.baseline_batches,
+        baseline_batches=a.baseline_batches, crn=a.crn,
         policy=f"SmolLM2-135M-Instruct + LoRA after {a.steps} steps of {a.credit} on {a.task} (lr {a.lr})",
         max_seconds=None if a.max_minutes is None else a.max_minutes * 60, rows=chosen_rows(a.rows, saved),
     )

@@ -727,6 +727,35 @@ def test_the_bundled_per_token_set_is_the_same_batch_at_every_position():
     assert res["trajectories"] == 24 and res["positions"] == int(sig["response_mask"][mixed].sum())
 
 
+def test_the_bundled_crn_set_is_the_per_token_batch_and_halves_agree_where_independent_ones_do_not():
+    """The CRN per-token set holds the same batch (fingerprint) and settings as the per-token set
+    but for common random numbers, complete on whole groups with mixed outcomes; on the rows both
+    sets complete, its two halves rank the credit alike (split-half rank correlation above 0.8)
+    where the independently sampled set's halves do not (below 0.1): docs/fidelity.md's numbers."""
+    import copy
+
+    from tokencredit.fidelity import REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, complete_rows
+
+    ind, crn = load_estimates(REFERENCE_TOKENS), load_estimates(REFERENCE_TOKENS_CRN)
+    assert crn["fingerprint"] == ind["fingerprint"] and crn["settings"]["crn"] is True
+    assert {k: v for k, v in crn["settings"].items() if k != "crn"} == {k: v for k, v in ind["settings"].items() if k != "crn"}
+    assert crn["build"]["policy_logprob_diff"] < 1e-4
+    done_c, done_i = complete_rows(crn), complete_rows(ind)
+    g = crn["rollouts"]["signals"]["group_ids"]
+    both = [b for b in range(len(done_c)) if done_c[b]]
+    assert len(both) >= 8 and all(done_i[b] for b in both), "CRN rows must be mixed-outcome rows"
+    assert all(bool(done_c[g == g[b]].all()) for b in both), "whole groups only"
+    split = {}
+    for name, est in (("ind", ind), ("crn", crn)):
+        e = copy.deepcopy(est)
+        keep = torch.zeros(len(done_c), dtype=torch.bool)
+        keep[both] = True
+        e["samples"][~keep] = float("nan")
+        rows = {r["method"]: r for r in score(e, ["grpo"], cfg=FidelityConfig(n_boot=20))["rows"]}
+        split[name] = rows["split-half"]["rank_corr"]["mean"]
+    assert split["crn"] > 0.8 and split["ind"] < 0.1, split
+
+
 def test_split_half_compares_the_even_half_with_the_odd_half(tmp_path):
     """The noise reference is the credit from the even-indexed continuations scored against the
     credit from the odd-indexed ones, recomputed here from the samples: a half compared with

@@ -427,8 +427,9 @@ def test_inverse_cdf_choice_keeps_probabilities_below_float32_resolution():
     assert inverse_cdf_choice(p, (1 - (0.5 + 2e-9) / total).reshape(1)).item() == 2
 
 
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
 @pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.6)])
-def test_rollout_samples_the_temperature_scaled_policy(temperature, top_p):
+def test_rollout_samples_the_temperature_scaled_policy(temperature, top_p, sampler):
     """The first token of 6,000 samples of one prompt against softmax(logits / T) from a plain
     forward (top-p: the nucleus renormalised, nothing outside it): each token's frequency within
     4.5 standard errors."""
@@ -436,8 +437,8 @@ def test_rollout_samples_the_temperature_scaled_policy(temperature, top_p):
     with torch.no_grad():  # a peaked distribution (the random model's is near uniform), so T matters
         model.get_output_embeddings().weight.mul_(20.0)
     n = 6000
-    rb = HFRollout(model, tok).generate(PROMPTS[:1], num_samples=n, max_new_tokens=1, temperature=temperature,
-                                        top_p=top_p, seed=0)
+    rb = HFRollout(model, tok, sampler=sampler).generate(PROMPTS[:1], num_samples=n, max_new_tokens=1,
+                                                         temperature=temperature, top_p=top_p, seed=0)
     with torch.no_grad():
         ids = rb.input_ids[:1, : rb.prompt_len]
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].double()
@@ -458,3 +459,16 @@ def test_rollout_samples_the_temperature_scaled_policy(temperature, top_p):
     fb = torch.cat([freq[big], freq[~big].sum().reshape(1)])
     se = (pb * (1 - pb) / n).sqrt()
     assert torch.all((fb - pb).abs() <= 4.5 * se + 1e-9), ((fb - pb).abs() / (se + 1e-12)).max()
+
+
+def test_the_samplers_differ_in_stream_only_and_a_bad_one_is_one_line():
+    model, tok = tiny_model_and_tokenizer(seed=1, eos_bias=2.0)
+    kw = dict(num_samples=8, max_new_tokens=6, temperature=0.7, seed=3)
+    a = HFRollout(model, tok).generate(PROMPTS, **kw)
+    b = HFRollout(model, tok, sampler="multinomial").generate(PROMPTS, **kw)
+    assert not torch.equal(a.response_ids, b.response_ids)
+    for rb in (a, b):  # either way the log-probs are the sampled tokens' under the policy
+        m = rb.response_mask.bool()
+        torch.testing.assert_close(rb.behaviour_logprobs[m], _teacher_forced_logprobs(model, rb, 0.7)[m], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"^rollout.sampler: expected one of \['inverse_cdf', 'multinomial'\], got 'gumbel'$"):
+        HFRollout(model, tok, sampler="gumbel")

@@ -99,10 +99,14 @@ def test_a_run_written_before_the_new_fields_resumes_at_their_old_equivalent():
 
     new = json.loads(json.dumps(config_to_dict(TrainConfig())))
     old = json.loads(json.dumps(new))
-    del old["precision"], old["optim"]["one_pass"], old["rollout"]["max_batch_size"]
-    assert config_diff(old, new) == []
-    changed = dict(new, precision="bf16")
-    assert config_diff(old, changed) == ["precision: None -> 'bf16'"]
+    del old["precision"], old["optim"]["one_pass"], old["rollout"]["max_batch_size"], old["rollout"]["sampler"]
+    # the sampler's default changed after such runs: a resume names the one that continues them
+    assert config_diff(old, new) == ["rollout.sampler: 'multinomial' -> 'inverse_cdf'"]
+    same = json.loads(json.dumps(new))
+    same["rollout"]["sampler"] = "multinomial"
+    assert config_diff(old, same) == []
+    changed = dict(same, precision="bf16")
+    assert config_diff(old, changed) == ["precision: 'fp32' -> 'bf16'"]
 
 
 @pytest.mark.parametrize("ppo_epochs", [1, 2])

@@ -527,8 +527,10 @@ SAFE_TO_CHANGE = frozenset(
 
 #: fields added after runs were written, at the value under which such a run trains as it did
 #: (fp32; one_pass gives the separate pass's values up to float rounding; a step of <= 64 rows
-#: is still one generate call)
-LATER_FIELDS = {"precision": "fp32", "optim.one_pass": True, "rollout.max_batch_size": 64}
+#: is still one generate call; generate's own multinomial sampler). A run written before a field
+#: existed reads as having it at this value, so a resume names the value that continues it exactly.
+LATER_FIELDS = {"precision": "fp32", "optim.one_pass": True, "rollout.max_batch_size": 64,
+                "rollout.sampler": "multinomial"}
 
 
 def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANGE, prefix: str = "") -> List[str]:
@@ -547,9 +549,9 @@ def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANG
     for k in sorted(set(saved) | set(new)):
         if f"{prefix}{k}" in ignore:
             continue
-        if k not in saved and new.get(k) == LATER_FIELDS.get(f"{prefix}{k}", object()):
-            continue  # a field added after the run was written, at the value that trains as it did
-        a, b = saved.get(k), new.get(k)
+        # a field added after the run was written reads as the value it trained with
+        a = saved[k] if k in saved else LATER_FIELDS.get(f"{prefix}{k}")
+        b = new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += config_diff(a, b, ignore, f"{prefix}{k}.")
         elif (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):

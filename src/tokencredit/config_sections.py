@@ -82,6 +82,10 @@ class RolloutConfig:
     # this allows; prompts bucketed by length). Decode tokens/s grows with the batch up to ~64-128
     # rows on a CPU (benchmarks/decode.py); the returned logits take rows x max_new_tokens x vocab floats
     max_batch_size: int = 64
+    # how generate draws a token: inverse_cdf (one uniform per row in the cumulative distribution,
+    # docs/performance.md) or multinomial (HF generate's torch.multinomial, an exponential per
+    # vocabulary entry: the random stream of earlier versions). Same distribution, different samples.
+    sampler: Literal["inverse_cdf", "multinomial"] = "inverse_cdf"
 
 
 @dataclass

@@ -255,10 +255,18 @@ class HFRollout:
     ``dtype`` (e.g. ``torch.bfloat16``): generate with a copy of the model in that dtype, made on
     first use and re-synced from ``model`` after :meth:`weights_changed` (call it after each
     optimizer step); the log-probs are still computed in fp32 from the returned logits. None generates with ``model`` itself.
+    ``sampler``: ``"inverse_cdf"`` (default; :func:`_sampling_processors`, the same distribution
+    at a fraction of the cost) or ``"multinomial"`` (``generate``'s own ``torch.multinomial``: the
+    random stream of tokencredit before 2026-12-05, with which the bundled fidelity sets' policies
+    were trained).
     """
 
+    SAMPLERS = ("inverse_cdf", "multinomial")
+
     def __init__(self, model, tokenizer, *, max_batch_size: Optional[int] = None, share_prompts: bool = True,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, sampler: str = "inverse_cdf"):
+        if sampler not in self.SAMPLERS:
+            raise ValueError(f"rollout.sampler: expected one of {list(self.SAMPLERS)}, got {sampler!r}")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1 or None, got {max_batch_size}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -272,6 +280,7 @@ class HFRollout:
         self.max_batch_size = max_batch_size
         self.share_prompts = share_prompts
         self.dtype = dtype
+        self.sampler = sampler
         self._copy = None  # the low-precision copy (dtype set)
         self._stale = False
 
@@ -403,12 +412,16 @@ class HFRollout:
         pad = int(tok.pad_token_id)
         greedy = temperature == 0
         t_lp = 1.0 if greedy else float(temperature)
+        # "multinomial": generate samples itself; "inverse_cdf": logits processors on greedy decoding
+        hf_samples = not greedy and self.sampler == "multinomial"
+        processors = [] if greedy or hf_samples else _sampling_processors(t_lp, float(top_p))
 
         from transformers import GenerationConfig
 
         gen_cfg = GenerationConfig(
             max_new_tokens=int(max_new_tokens),
-            do_sample=False,
+            do_sample=hf_samples,
+            **({"temperature": t_lp, "top_p": float(top_p), "top_k": 0} if hf_samples else {}),
             bos_token_id=tok.bos_token_id,
             eos_token_id=stop_ids,
             pad_token_id=pad,
@@ -436,8 +449,7 @@ class HFRollout:
                     prefix = self._shared_prefix(cenc, prompt_index[rows], device) if self.share_prompts else {}
                     out = gen.generate(
                         input_ids=ids, attention_mask=att, generation_config=gen_cfg,
-                        # sampling is done by logits processors on greedy decoding (_sampling_processors)
-                        logits_processor=[_finite_check_processor()] + ([] if greedy else _sampling_processors(t_lp, float(top_p))),
+                        logits_processor=[_finite_check_processor()] + processors,
                         **prefix,
                     )
                     resp = out.sequences[:, cP:].cpu()

@@ -159,7 +159,7 @@ class Trainer:
         self.optimizer, self.scheduler = policy_optimizer(self.model, cfg.optim, self.device.type, cfg.steps)
         # bf16: generation on a bf16 copy of the weights (re-synced after each optimizer step)
         self.rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision),
-                                 max_batch_size=cfg.rollout.max_batch_size)
+                                 max_batch_size=cfg.rollout.max_batch_size, sampler=cfg.rollout.sampler)
         o = cfg.optim
         self.policy_update = PolicyUpdate(
             self.model, self.optimizer, self.scheduler, self.policy_loss, self.policy_loss_cfg,

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_TOKENS", "batch_fingerprint",
+__all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_TOKENS", "REFERENCE_TOKENS_CRN", "batch_fingerprint",
            "mc_positions", "response_rows"]
 
 FORMAT = "tokencredit-fidelity/1"
@@ -22,6 +22,9 @@ _DATA = Path(__file__).parent.parent / "data"
 REFERENCE_SET = _DATA / "fidelity_reference.pt"
 #: the same batch, V at every position (credit per token) for the first groups of responses
 REFERENCE_TOKENS = _DATA / "fidelity_reference_tokens.pt"
+#: the same batch and rows as REFERENCE_TOKENS, with common random numbers (``--crn``), for the groups
+#: its build completed
+REFERENCE_TOKENS_CRN = _DATA / "fidelity_reference_tokens_crn.pt"
 #: the bundled exact set (``tokencredit fidelity --reference exact``; docs/fidelity.md)
 REFERENCE_EXACT = _DATA / "fidelity_exact_mul1.pt"
 REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " + str(REFERENCE_EXACT)
