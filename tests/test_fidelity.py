@@ -759,6 +759,31 @@ def test_the_bundled_crn_set_is_the_per_token_batch_and_halves_agree_where_indep
     assert ceiling["crn"] >= 0.8 and ceiling["ind"] < 0.3, ceiling
 
 
+def test_paired_se_of_c_is_the_continuation_wise_difference_and_small_under_crn():
+    """``claims``' paired SE of c: sd over m of (x_m(h_next) - x_m(h_p)) / sqrt(M), recomputed by
+    hand for a row's first and last span (R after the last); on the CRN set it is a small fraction
+    of the SE that independent estimates would have, on the independent per-token set close to it."""
+    from tokencredit.fidelity import REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, mc_positions, standard_errors
+    from tokencredit.fidelity.claims import paired_c_se
+    from tokencredit.fidelity.metrics import _scored_rows
+
+    ratio = {}
+    for name, ref in (("ind", REFERENCE_TOKENS), ("crn", REFERENCE_TOKENS_CRN)):
+        est = load_estimates(ref)
+        lengths, stride, rows, _ = _scored_rows(est)
+        got = paired_c_se(est, rows)
+        b = rows[0]
+        x = est["samples"][b, mc_positions(lengths[b], stride)].double()
+        R = float(est["rollouts"]["signals"]["rewards"][b])
+        M = x.shape[-1]
+        assert float(got[0]) == pytest.approx(float((x[1] - x[0]).std() / M ** 0.5))
+        n0 = len(mc_positions(lengths[b], stride))
+        assert float(got[n0 - 1]) == pytest.approx(float((R - x[-1]).std() / M ** 0.5))
+        se = torch.cat([standard_errors(est)[r] for r in rows])
+        ratio[name] = float(got.mean()) / (math.sqrt(2) * float(se.mean()))
+    assert ratio["crn"] < 0.1 and 0.7 < ratio["ind"] <= 1.0, ratio
+
+
 def test_split_half_compares_the_even_half_with_the_odd_half(tmp_path):
     """The noise reference is the credit from the even-indexed continuations scored against the
     credit from the odd-indexed ones, recomputed here from the samples: a half compared with

@@ -14,7 +14,7 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from .base import mc_positions
+from .base import _lengths, mc_positions
 from .estimates import credit_spans, span_sums, span_values, standard_errors
 from .metrics import FidelityConfig, _fmt, _scored_rows, _with_own_critics, bootstrap_mean, top_weights
 
@@ -25,6 +25,26 @@ CLAIM_SPECS = ("grpo", "oppo", "grpo+taco", "grpo+stare", "grpo+acpo", "grpo+arc
                "grpo+entropy", "grpo+surprisal", "grpo+divergence")
 #: the methods whose A_t the figure (``tokencredit fidelity --figure``) draws against c_t
 FIGURE_SPECS = ("grpo", "taco", "oppo", "stare", "acpo", "arca")
+
+
+def paired_c_se(est: Dict[str, Any], rows: Sequence[int]) -> torch.Tensor:
+    """The standard error of each scored span's ``c_p = V(h_next) - V(h_p)`` from the
+    continuation-wise differences ``d_m = x_m(h_next) - x_m(h_p)`` (the reward ``R`` after the last
+    span), ``sd_m(d) / sqrt(M)``, over ``rows``, concatenated. With common random numbers the two
+    estimates are coupled and this is the SE that applies (``sqrt(2)`` x the SE of V assumes them
+    independent); with independent continuations both estimate the same quantity. Unlike
+    :func:`standard_errors` it is not smoothed: a span where every continuation pair agrees
+    contributes 0."""
+    lengths, stride = _lengths(est["rollouts"]), int(est["settings"]["stride"])
+    s = est["samples"].double()
+    R = torch.as_tensor(est["rollouts"]["signals"]["rewards"]).double()
+    M = s.shape[-1]
+    out = []
+    for b in rows:
+        x = s[b, mc_positions(lengths[b], stride)]  # [spans, M]
+        d = torch.cat([x[1:], R[b].expand(1, M)]) - x
+        out.append(d.std(-1, unbiased=True) / math.sqrt(M))
+    return torch.cat(out)
 
 
 def _line_of(tokens: Sequence[str], length: int, p: int) -> str:
@@ -45,7 +65,8 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
       span, and the largest span's share for noise alone, ``(c_even - c_odd) / 2`` (the two
       halves' difference: the estimate's noise, no signal); the share of spans with
       ``|c| > 2 delta`` and with ``c < -delta``;
-    * ``noise``: mean |c| per span against the standard error of V and of one span's c;
+    * ``noise``: mean |c| per span against the standard error of V and of one span's c (as if its two
+      V were independent, and from the paired continuations: :func:`paired_c_se`);
     * ``start_value``: V(h_0) of successful and failed responses (credit owed to the question);
     * ``last_span_c``: the mean true credit of the last span (answer line, end token);
     * ``largest_span_line``: in which line of the response the largest-|c| span opens;
@@ -142,7 +163,8 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
                      "share_abs_c_above_2delta": float((cs.abs() > 2 * cfg.delta).double().mean()),
                      "share_c_below_minus_delta": float((cs < -cfg.delta).double().mean())},
         "noise": {"mean_abs_c": float(cs.abs().mean()), "mean_se_v": float(se.mean()),
-                  "se_span_c": math.sqrt(2) * float(se.mean())},
+                  "se_span_c": math.sqrt(2) * float(se.mean()),
+                  "se_span_c_paired": float(paired_c_se(est, scored).mean())},
         "start_value": {"all": mean([float(V[b][0]) for b in scored]),
                         "successes": mean([float(V[b][0]) for b in scored if success[b]]),
                         "failures": mean([float(V[b][0]) for b in scored if not success[b]])},
@@ -163,7 +185,8 @@ def format_claims(cl: Dict[str, Any]) -> str:
         f"  sparsity: {sp['spans_per_response']:.1f} {unit}s per response; share of sum |c| on the largest {sp['largest_span_share']:.2f} "
         f"(noise alone: {sp['largest_span_share_noise_only']:.2f}), first {sp['first_span_share']:.2f}, last {sp['last_span_share']:.2f}; "
         f"{unit}s with |c| > {2 * d:g}: {sp['share_abs_c_above_2delta']:.2f}, with c < -{d:g}: {sp['share_c_below_minus_delta']:.2f}",
-        f"  noise: mean |c| {no['mean_abs_c']:.3f}; mean SE of V {no['mean_se_v']:.3f} (SE of one {unit}'s c ~ {no['se_span_c']:.3f})",
+        f"  noise: mean |c| {no['mean_abs_c']:.3f}; mean SE of V {no['mean_se_v']:.3f} (SE of one {unit}'s c ~ {no['se_span_c']:.3f} "
+        f"if its two V were independent; {no['se_span_c_paired']:.3f} from the paired continuations)",
         f"  V(h_0): all {sv['all']:.2f}, successes {sv['successes']:.2f}, failures {sv['failures']:.2f}",
         f"  last {unit}'s c: successes {cl['last_span_c']['successes']:.3f}, failures {cl['last_span_c']['failures']:.3f}",
         "  largest-|c| " + unit + " opens in: " + ", ".join(f"{k} {n:.1f}" for k, n in cl["largest_span_line"].items()),
