@@ -12,9 +12,10 @@ are contiguous, ``prompt_index`` says which prompt a row answers):
     response_mask  [N, T]  1 up to and including the first EOS, 0 after it
     truncated      [N]     True when the response hit max_new_tokens without an EOS
 
-``behaviour_logprobs[i, t] = log_softmax(logits_t / temperature)[response_ids[i, t]]`` from the
-raw logits ``generate`` returns (``output_logits=True``), i.e. the temperature-scaled policy the
-tokens were drawn from. Top-p truncation is NOT reflected (a token inside the nucleus has a
+``behaviour_logprobs[i, t] = log_softmax(logits_t / temperature)[response_ids[i, t]]`` of the
+raw logits, i.e. the temperature-scaled policy the tokens were drawn from: recorded step by step
+inside ``generate`` (``_DrawnLogprobs``), or, with ``sampler="multinomial"``, from the logits
+``generate`` returns (``output_logits=True``). Top-p truncation is NOT reflected (a token inside the nucleus has a
 larger probability under the truncated distribution); TRL and verl likewise recompute the
 old log-probs with a plain forward, and with ``top_p = 1`` (the default) there is nothing to
 reflect. Greedy decoding (``temperature == 0``) reports ``log_softmax(logits)`` (temperature 1).
@@ -77,7 +78,34 @@ def inverse_cdf_choice(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, v).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sampling_processors(temperature: float, top_p: float) -> list:
+class _DrawnLogprobs:
+    """A logits processor that records the log-probs of the drawn tokens, one step late: each call
+    gathers the previous step's ``log_softmax(scores)`` at the token drawn from it (the last of
+    ``input_ids``) and keeps only this step's, so a call holds one [n, V] block instead of
+    ``generate``'s ``output_logits`` (rows x new tokens x V floats). Placed after the temperature
+    warper and before top-p, ``scores`` are ``logits / T``: the values equal
+    ``log_softmax(logits / T)`` of the returned logits, bit for bit."""
+
+    def __init__(self):
+        self.prev = None
+        self.got: List[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:
+            self.got.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.prev = F.log_softmax(scores, dim=-1)
+        return scores
+
+    def logprobs(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[n, T] log-probs of the T tokens ``generate`` returned (a last step it undid is dropped)."""
+        T = new_tokens.shape[1]
+        got = self.got[:T]
+        if len(got) < T:  # the last returned token was drawn from the last recorded step
+            got.append(self.prev.gather(-1, new_tokens[:, T - 1 : T].to(self.prev.device)).squeeze(-1))
+        return torch.stack(got, 1).float() if got else torch.zeros(new_tokens.shape)
+
+
+def _sampling_processors(temperature: float, top_p: float, record: Optional[_DrawnLogprobs] = None) -> list:
     """Sampling as logits processors on greedy decoding: HF's own temperature and top-p warpers,
     then a draw from the softmax by inverse transform (one uniform per row, from torch's global
     generator), returned as scores in which only the drawn token is finite, so that greedy
@@ -100,7 +128,9 @@ def _sampling_processors(temperature: float, top_p: float) -> list:
         warpers.append(TemperatureLogitsWarper(float(temperature)))
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1))
-    return warpers + [_InverseCDFSample()]
+    nucleus = warpers[1:] if temperature != 1.0 else warpers
+    head = warpers[:1] if temperature != 1.0 else []
+    return head + ([record] if record is not None else []) + nucleus + [_InverseCDFSample()]
 
 
 Messages = Sequence[Dict[str, str]]
@@ -414,7 +444,6 @@ class HFRollout:
         t_lp = 1.0 if greedy else float(temperature)
         # "multinomial": generate samples itself; "inverse_cdf": logits processors on greedy decoding
         hf_samples = not greedy and self.sampler == "multinomial"
-        processors = [] if greedy or hf_samples else _sampling_processors(t_lp, float(top_p))
 
         from transformers import GenerationConfig
 
@@ -425,7 +454,7 @@ class HFRollout:
             bos_token_id=tok.bos_token_id,
             eos_token_id=stop_ids,
             pad_token_id=pad,
-            output_logits=True,
+            output_logits=hf_samples,  # otherwise _DrawnLogprobs records the log-probs as it goes
             return_dict_in_generate=True,
         )
 
@@ -447,16 +476,21 @@ class HFRollout:
                     att = prompt_mask[rows][:, P - cP :].to(device)
                     cenc = {k: enc[k][:, P - cP :] for k in ("input_ids", "attention_mask")}
                     prefix = self._shared_prefix(cenc, prompt_index[rows], device) if self.share_prompts else {}
+                    record = None if hf_samples else _DrawnLogprobs()
+                    processors = ([] if hf_samples else [record] if greedy else _sampling_processors(t_lp, float(top_p), record))
                     out = gen.generate(
                         input_ids=ids, attention_mask=att, generation_config=gen_cfg,
                         logits_processor=[_finite_check_processor()] + processors,
                         **prefix,
                     )
                     resp = out.sequences[:, cP:].cpu()
-                    lp = torch.zeros(resp.shape, dtype=torch.float32)
-                    for t, logits in enumerate(out.logits):  # one [n, V] tensor per new token
-                        logp = F.log_softmax(logits.float() / t_lp, dim=-1)
-                        lp[:, t] = logp.gather(-1, resp[:, t : t + 1].to(logp.device)).squeeze(-1).cpu()
+                    if record is not None:
+                        lp = record.logprobs(out.sequences[:, cP:]).cpu()
+                    else:
+                        lp = torch.zeros(resp.shape, dtype=torch.float32)
+                        for t, logits in enumerate(out.logits):  # one [n, V] tensor per new token
+                            logp = F.log_softmax(logits.float() / t_lp, dim=-1)
+                            lp[:, t] = logp.gather(-1, resp[:, t : t + 1].to(logp.device)).squeeze(-1).cpu()
                     del out
                     chunks.append((rows, resp, lp))
         finally:
