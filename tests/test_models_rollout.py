@@ -472,3 +472,16 @@ def test_the_samplers_differ_in_stream_only_and_a_bad_one_is_one_line():
         torch.testing.assert_close(rb.behaviour_logprobs[m], _teacher_forced_logprobs(model, rb, 0.7)[m], atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match=r"^rollout.sampler: expected one of \['inverse_cdf', 'multinomial'\], got 'gumbel'$"):
         HFRollout(model, tok, sampler="gumbel")
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "multinomial"])
+def test_behaviour_logprobs_with_top_p_are_the_untruncated_policys(sampler):
+    """With top-p the reported log-probs are still log_softmax(logits / T) (the module's contract):
+    recorded before the nucleus cut, not after it."""
+    model, tok = tiny_model_and_tokenizer(seed=1, eos_bias=2.0)
+    with torch.no_grad():  # peaked, so that the nucleus cuts and renormalising would show
+        model.get_output_embeddings().weight.mul_(20.0)
+    rb = HFRollout(model, tok, sampler=sampler).generate(PROMPTS, num_samples=4, max_new_tokens=6, temperature=0.7,
+                                                         top_p=0.5, seed=0)
+    m = rb.response_mask.bool()
+    torch.testing.assert_close(rb.behaviour_logprobs[m], _teacher_forced_logprobs(model, rb, 0.7)[m], atol=1e-4, rtol=0)
