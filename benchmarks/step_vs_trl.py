@@ -163,7 +163,9 @@ def run_ours(args) -> Dict[str, Any]:
             phases.wrap(trainer, "_score", "reward")
             phases.wrap(trainer, "_signals", "signal passes")
             phases.wrap(trainer, "_update_policy", "loss fwd+bwd+optimizer")
-            phases.wrap(tc_trainer, "forward_response", "  of which: model forward (loss)")
+            import tokencredit.update as tc_update
+
+            phases.wrap(tc_update, "forward_response", "  of which: model forward (loss)")
         times, cpu, tokens = [], [], []
         for _ in range(args.steps):
             t, c = time.perf_counter(), time.process_time()

@@ -234,6 +234,7 @@ OUT_OF_RANGE = {
     "output_dir": st.sampled_from([__file__, os.path.join(__file__, "sub")]),  # a file, under a file
     "device": st.sampled_from(["gpu", "cuda0", "tpu", "CPU"]),
     "threads": _INT_LE0,
+    "retain_memory": None,
     "precision": st.sampled_from(["fp16", "BF16", "half"]),
     "save_every": _INT_LE0,
     "keep_last": _INT_LE0,

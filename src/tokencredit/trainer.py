@@ -80,6 +80,10 @@ class Trainer:
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         )
+        if cfg.retain_memory and self.device.type == "cpu":
+            from .cpu_memory import retain_freed_memory
+
+            retain_freed_memory()
         self.credit = CreditPipeline(cfg.credit, cfg.method_configs())  # credit_config + credit_args
         # what the spec's methods declare (signals, passes, critic, an adapter, a teacher),
         # checked against this setting before any model is loaded
