@@ -20,7 +20,10 @@ Both run the same algorithm on the same model, prompts and settings:
   ``ratio fp32 X`` (ours / TRL, seconds per step), with each worker's peak RSS;
 * TRL otherwise at its fastest on a CPU: ``use_cpu=True``, activation (gradient)
   checkpointing off (TRL's default is on), no completion logging, no checkpoints, its default
-  fused AdamW, no reference model.
+  fused AdamW, no reference model;
+* memory: with ``--retain-memory on`` (the default) glibc keeps freed memory for the next step in
+  both workers (ours: its ``retain_memory`` setting; TRL: the same ``mallopt`` call at the worker's
+  start), so neither re-faults its gradients and activations every step; ``off``: glibc's default.
 
 Each trainer runs in its own subprocess (so neither inherits the other's allocator or thread
 state), one after the other. A step is timed from the end of the previous one (the first from the
@@ -142,6 +145,7 @@ def run_ours(args) -> Dict[str, Any]:
             device="cpu",
             threads=args.threads,
             precision=args.precision,
+            retain_memory=args.retain_memory == "on",
             rollout=RolloutConfig(
                 prompts_per_step=args.prompts, samples_per_prompt=args.generations,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0,
@@ -269,6 +273,7 @@ def _worker_cmd(args, which: str) -> List[str]:
     if args.profile:
         cmd.append("--profile")
     cmd += ["--precision", args.precision] + (["--trl-bf16"] if args.trl_bf16 else [])
+    cmd += ["--retain-memory", args.retain_memory]
     return cmd
 
 
@@ -332,6 +337,10 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="auto", choices=("fp32", "bf16", "auto"),
                    help="ours: --precision (auto: bf16 where the CPU has bf16 matrix units); TRL runs at the "
                         "same precision (bf16=True with use_cpu=True: its fastest CPU setting) and, in any case, at fp32")
+    p.add_argument("--retain-memory", default="on", choices=("on", "off"),
+                   help="glibc keeps freed memory for the next step in both workers: ours through its "
+                        "retain_memory setting (default on), TRL's through the same call at the worker's start "
+                        "(tokencredit.cpu_memory); off: glibc's default in both")
     p.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -342,6 +351,10 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+        if args.retain_memory == "on":  # the same allocator setting for both trainers
+            from tokencredit.cpu_memory import retain_freed_memory
+
+            retain_freed_memory()
         _emit(run_ours(args) if args.worker == "ours" else run_trl(args))
         return 0
 
@@ -351,7 +364,7 @@ def main(argv=None) -> int:
     model = "tiny random Llama" if args.tiny else "SmolLM2-135M-Instruct (embedded)"
     print(
         f"{model}, ours at --precision {args.precision} (= {prec}) and fp32, TRL at {prec} and fp32, "
-        f"{args.threads} threads, task {args.task}: {args.prompts} prompts x {args.generations} "
+        f"{args.threads} threads, retain memory {args.retain_memory} in both, task {args.task}: {args.prompts} prompts x {args.generations} "
         f"generations, <= {args.max_new_tokens} new tokens, {args.steps} steps (first = warm-up); load average "
         f"{open('/proc/loadavg').read().split()[0]}",
         flush=True,

@@ -1,6 +1,6 @@
 """The bundled fidelity tables, pinned byte for byte.
 
-``tokencredit fidelity --reference {spans,tokens,tokens-crn,exact} --claims`` (the table and the numbers
+``tokencredit fidelity --reference {spans,spans-crn,tokens,tokens-crn,exact} --claims`` (the table and the numbers
 behind docs/fidelity.md's answers to the papers' claims) and the same with ``--json`` print
 exactly the text in ``tests/data/fidelity_<set>.txt`` / ``.json``, so that a refactor of the
 fidelity package (or of anything the scores replay) cannot change a bundled result unseen.
@@ -21,7 +21,7 @@ import pytest
 from tokencredit.cli import main
 
 DATA = Path(__file__).parent / "data"
-SETS = ("spans", "tokens", "tokens-crn", "exact")
+SETS = ("spans", "spans-crn", "tokens", "tokens-crn", "exact")
 
 
 def _printed(argv, capsys) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_TOKENS", "REFERENCE_TOKENS_CRN", "batch_fingerprint",
+__all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_SPANS_CRN", "REFERENCE_TOKENS", "REFERENCE_TOKENS_CRN", "batch_fingerprint",
            "mc_positions", "response_rows"]
 
 FORMAT = "tokencredit-fidelity/1"
@@ -25,6 +25,8 @@ REFERENCE_TOKENS = _DATA / "fidelity_reference_tokens.pt"
 #: the same batch and rows as REFERENCE_TOKENS, with common random numbers (``--crn``), for the groups
 #: its build completed
 REFERENCE_TOKENS_CRN = _DATA / "fidelity_reference_tokens_crn.pt"
+#: the span set's batch, rows and settings with common random numbers (``--crn``), and its critics
+REFERENCE_SPANS_CRN = _DATA / "fidelity_reference_crn.pt"
 #: the bundled exact set (``tokencredit fidelity --reference exact``; docs/fidelity.md)
 REFERENCE_EXACT = _DATA / "fidelity_exact_mul1.pt"
 REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " + str(REFERENCE_EXACT)

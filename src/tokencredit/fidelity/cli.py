@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .base import (REFERENCE_EXACT, REFERENCE_EXACT_COMMAND, REFERENCE_SET, REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, EstimatesMismatch,
+from .base import (REFERENCE_EXACT, REFERENCE_EXACT_COMMAND, REFERENCE_SET, REFERENCE_SPANS_CRN, REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, EstimatesMismatch,
                    FidelityError, _atomic_save, _check_rows, _lengths)
 from .claims import CLAIM_SPECS, claims, format_claims
 from .estimates import attach_critic, build_estimates, critic_values, load_estimates
@@ -35,8 +35,10 @@ def _score_main(argv: List[str]) -> int:
 
     p = argparse.ArgumentParser(prog="tokencredit fidelity", description="score every method's token credit against Monte Carlo true credit")
     p.add_argument("file", nargs="?", default=None, help="an estimates file (default: the bundled reference set)")
-    p.add_argument("--reference", choices=("spans", "tokens", "tokens-crn", "exact"), default="spans",
-                   help="without FILE, which bundled set: V every 4th position for all 64 responses (spans), at "
+    p.add_argument("--reference", choices=("spans", "spans-crn", "tokens", "tokens-crn", "exact"), default="spans-crn",
+                   help="without FILE, which bundled set: V every 4th position for all 64 responses with common "
+                        "random numbers (spans-crn, the default: a noise ceiling of 0.91) or independent continuations "
+                        "(spans: 0.51), at "
                         "every position of the same batch's first groups with mixed outcomes (tokens), the same with "
                         "common random numbers (tokens-crn), or exact V of a digit-restricted policy on mul1 (exact)")
     p.add_argument("--methods", default=None, help="comma-separated credit specs (default: what inspect replays)")
@@ -49,12 +51,18 @@ def _score_main(argv: List[str]) -> int:
                    "the papers' token-level claims (sparsity, TACO's tail tokens, where each method's credit goes)")
     a = p.parse_args(argv)
     try:
-        ref = {"spans": REFERENCE_SET, "tokens": REFERENCE_TOKENS, "tokens-crn": REFERENCE_TOKENS_CRN,
+        ref = {"spans": REFERENCE_SET, "spans-crn": REFERENCE_SPANS_CRN, "tokens": REFERENCE_TOKENS, "tokens-crn": REFERENCE_TOKENS_CRN,
                "exact": REFERENCE_EXACT}[a.reference]
         if a.file is None and not ref.is_file():
-            how = "" if a.reference == "spans" else (" --steps 3 --stride 1 --rows mixed --rollouts-from " + str(REFERENCE_SET)
-                                                     + (" --crn" if a.reference == "tokens-crn" else "")
-                                                     + f" --work-dir build/fidelity_{a.reference} --output " + str(ref))
+            if a.reference == "spans":
+                how = ""
+            elif a.reference == "spans-crn":
+                how = (" --crn --steps 3 --stride 4 --rows all --rollouts-from " + str(REFERENCE_SET)
+                       + f" --work-dir build/fidelity_{a.reference} --output " + str(ref))
+            else:
+                how = (" --steps 3 --stride 1 --rows mixed --rollouts-from " + str(REFERENCE_SET)
+                       + (" --crn" if a.reference == "tokens-crn" else "")
+                       + f" --work-dir build/fidelity_{a.reference} --output " + str(ref))
             cmd = REFERENCE_EXACT_COMMAND if a.reference == "exact" else f"python scripts/build_fidelity_set.py{how}"
             raise FidelityError(f"no bundled reference set at {ref}: build it with '{cmd}' "
                                 "(docs/fidelity.md) or pass an estimates file")
