@@ -70,3 +70,28 @@ def test_the_trainer_retains_memory_on_cpu_unless_told_not_to(retain):
         assert r["faults"] < 0.05 * r["pages"], r
     else:
         assert r["faults"] > 0.5 * r["pages"], r
+
+
+TRL_TRAINER = """
+import pathlib, sys, tempfile
+sys.path.insert(0, TESTS)
+from test_trl import RewardLog, _args, _dataset
+from tokencredit.integrations.trl import TokenCreditGRPOTrainer
+from tokencredit.testing import tiny_model_and_tokenizer
+model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=2.0)
+TokenCreditGRPOTrainer(model=model, reward_funcs=RewardLog(), args=_args(pathlib.Path(tempfile.mkdtemp())),
+                       train_dataset=_dataset(), processing_class=tok, credit="grpo", retain_memory=RETAIN)
+"""
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_the_trl_trainer_retains_memory_on_cpu_unless_told_not_to(retain):
+    pytest.importorskip("trl")
+    import os
+
+    tests = repr(os.path.dirname(os.path.abspath(__file__)))
+    r = _faults(TRL_TRAINER.replace("TESTS", tests).replace("RETAIN", str(retain)))
+    if retain:
+        assert r["faults"] < 0.05 * r["pages"], r
+    else:
+        assert r["faults"] > 0.5 * r["pages"], r
