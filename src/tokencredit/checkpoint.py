@@ -141,14 +141,14 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], k
     Temporary folders left by a save that was killed (``.tmp_step_*``) are removed first. A
     save that fails (a full disk: :class:`~tokencredit.runfolder.DiskFullError`, one line)
     removes its temporary folder and leaves every earlier checkpoint as it was."""
-    from .runfolder import DiskFullError, is_disk_full
+    from .runfolder import DiskFullError, is_disk_full, process_tag, stale_temporaries
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob(f"{_TMP_PREFIX}*"):
+    for leftover in stale_temporaries(root, _TMP_PREFIX):  # never a live process's (runfolder)
         shutil.rmtree(leftover, ignore_errors=True)
     final = root / f"step_{step:08d}"
-    tmp = root / f"{_TMP_PREFIX}{step:08d}_{os.getpid()}"
+    tmp = root / f"{_TMP_PREFIX}{step:08d}_{process_tag()}"
     try:
         tmp.mkdir()
         with open(tmp / "state.pt", "wb") as f:

@@ -5,10 +5,12 @@
   ``metrics.jsonl`` or ``checkpoints/``) is refused in one line: ``--resume`` continues it,
   ``--overwrite`` starts again after moving the old run's files aside into a sibling folder
   ``<name>.old-<k>`` (nothing is deleted).
-* :class:`RunLock`: an exclusive lock (``filelock``, an ``flock`` on ``<run>/.lock``) held for
-  the run's life; a second run on the folder is refused with a line naming the holder's pid.
-  The kernel drops the lock when its process dies, so a killed run never leaves the folder
-  locked.
+* :class:`RunLock`: an exclusive lock held for the run's life, on ``<run>/.lock`` (``filelock``)
+  and on the folder itself (an ``flock`` on the directory: deleting ``.lock`` by hand does not
+  free the folder); a second run on the folder is refused with a line naming the holder's pid.
+  The kernel drops the locks when their process dies, so a killed run never leaves the folder
+  locked. :func:`stale_temporaries`: the temporary entries (``<prefix>..._<pid>-<start>``) whose
+  writer is dead, the only ones a checkpoint save prunes.
 * :class:`MetricsWriter`: ``metrics.jsonl`` written a whole record at a time (one ``write`` of
   the line, then ``fsync``); a record a failed write left half-written is cut off again; on
   open a torn last line (a kill inside a write) is removed with a warning, and a resumed run
@@ -25,6 +27,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -42,7 +45,10 @@ __all__ = [
     "check_run_folder",
     "claim_run_folder",
     "holds_run",
+    "process_alive",
+    "process_tag",
     "read_metrics",
+    "stale_temporaries",
     "write_atomic",
 ]
 
@@ -114,19 +120,139 @@ def check_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool) 
     found = holds_run(p)
     if found and not resume and not overwrite:
         raise _refusal(p, found)
-    if (p / LOCK_NAME).exists():
-        RunLock(p).acquire().release()  # only to say who holds it, before a model loads
+    if p.is_dir():
+        RunLock(p).probe()  # only to say who holds it, before a model loads
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """When process ``pid`` started (clock ticks since boot, field 22 of ``/proc/<pid>/stat``):
+    with the pid it names one process, even after the pid is reused. None where there is no
+    ``/proc`` or no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def process_alive(pid: int, start: Optional[str] = None) -> bool:
+    """Whether process ``pid`` is running (and, given ``start``, is the process that started then,
+    not a later one that got its pid)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    if start is not None:
+        now = _start_time(pid)
+        return now is None or now == start
+    return True
+
+
+def _holder_of(folder: Path) -> str:
+    """The pid that holds ``folder``: its holder record (``.lock.pid``: pid and start time), else
+    the kernel's lock table (``/proc/locks``, where a deleted record cannot hide it)."""
+    try:
+        pid, *start = (folder / PID_NAME).read_text().split()
+        if process_alive(int(pid), start[0] if start else None):
+            return pid
+    except (OSError, ValueError):
+        pass
+    try:
+        st = os.stat(folder)
+        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == dev:
+                    return parts[4]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def process_tag(pid: Optional[int] = None) -> str:
+    """``"<pid>-<start time>"`` of this process (or ``pid``), ``"<pid>"`` where start times are
+    unknown: the suffix of a temporary entry, naming its writer even after its pid is reused."""
+    pid = os.getpid() if pid is None else pid
+    start = _start_time(pid)
+    return f"{pid}-{start}" if start else str(pid)
+
+
+def stale_temporaries(root: os.PathLike | str, prefix: str) -> List[Path]:
+    """The temporary entries ``<root>/<prefix>..._<tag>`` (:func:`process_tag`) whose writer is
+    dead, or is this process (which writes one at a time). A live process's temporary entry is
+    never one: a second process on the folder cannot remove it under its writer. An entry named
+    by a pid alone is stale where start times are known (an older writer's), else when that pid
+    is dead."""
+    own = os.getpid()
+    known = _start_time(own) is not None
+    out = []
+    for p in Path(root).glob(f"{prefix}*"):
+        m = re.search(r"_(\d+)(?:-(\d+))?$", p.name)
+        if m is None:
+            out.append(p)
+            continue
+        pid, start = int(m.group(1)), m.group(2)
+        if pid == own or (start is None and known) or not process_alive(pid, start):
+            out.append(p)
+    return out
 
 
 class RunLock:
-    """An exclusive lock on a run folder for the run's life (``filelock.FileLock`` on
-    ``<folder>/.lock``, non-blocking); the holder's pid is written next to it."""
+    """An exclusive lock on a run folder for the run's life, on two things: ``<folder>/.lock``
+    (``filelock.FileLock``, non-blocking) and the folder itself (an ``flock`` on the directory,
+    which no one deletes without deleting the run: a second run is refused even after
+    ``rm .lock``). The holder's pid and start time are written to ``.lock.pid``."""
 
     def __init__(self, folder: os.PathLike | str):
         from filelock import FileLock
 
         self.folder = Path(folder)
         self._lock = FileLock(str(self.folder / LOCK_NAME))
+        self._dir_fd: Optional[int] = None
+
+    def _in_use(self) -> RunFolderError:
+        return RunFolderError(
+            f"output_dir: {str(self.folder)!r} is in use by another run (pid {_holder_of(self.folder)}); wait for it to end, "
+            f"stop it, or choose another --output-dir"
+        )
+
+    def _lock_folder(self) -> None:
+        """``flock`` the folder itself (where the file system has no ``flock`` on a directory,
+        the holder record's liveness stands in for it)."""
+        import fcntl
+
+        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._in_use() from None
+        except OSError:  # no flock on directories here (some network file systems)
+            os.close(fd)
+            if _holder_of(self.folder) not in ("unknown", str(os.getpid())):
+                raise self._in_use() from None
+            return
+        self._dir_fd = fd
+
+    def probe(self) -> None:
+        """Raise the refusal of :meth:`acquire` if another run holds the folder; take nothing
+        and write nothing."""
+        from filelock import Timeout
+
+        if (self.folder / LOCK_NAME).exists():
+            try:
+                self._lock.acquire(timeout=0)
+            except Timeout:
+                raise self._in_use() from None
+        try:
+            self._lock_folder()
+        finally:
+            self._release_locks()
 
     def acquire(self) -> "RunLock":
         from filelock import Timeout
@@ -135,20 +261,20 @@ class RunLock:
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
-            try:
-                holder = (self.folder / PID_NAME).read_text().strip() or "unknown"
-            except OSError:
-                holder = "unknown"
-            raise RunFolderError(
-                f"output_dir: {str(self.folder)!r} is in use by another run (pid {holder}); wait for it to end, "
-                f"stop it, or choose another --output-dir"
-            ) from None
+            raise self._in_use() from None
         try:
-            (self.folder / PID_NAME).write_text(f"{os.getpid()}\n")
-        except OSError:
-            self._lock.release()
+            self._lock_folder()
+            (self.folder / PID_NAME).write_text(f"{os.getpid()}\n{_start_time(os.getpid()) or ''}\n")
+        except BaseException:
+            self._release_locks()
             raise
         return self
+
+    def _release_locks(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)  # drops the folder's flock
+            self._dir_fd = None
+        self._lock.release()
 
     def release(self) -> None:
         if self._lock.is_locked:
@@ -156,7 +282,7 @@ class RunLock:
                 (self.folder / PID_NAME).unlink()
             except OSError:
                 pass
-            self._lock.release()
+            self._release_locks()
 
 
 def claim_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool, log=print) -> RunLock:

@@ -1,0 +1,172 @@
+"""Issue 29, findings 4, 5, 9 and 11 (in part): the run folder's lock, a user's data files,
+``eval``'s rows, and one line where a traceback or a quiet surprise was.
+
+Each test failed on the code before issue 29 (each was run against it once); the tiny random
+model (tokencredit.testing) keeps them to seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+from tokencredit.cli import main
+from tokencredit.testing import tiny_model_and_tokenizer
+
+HERE = Path(__file__).resolve().parent
+
+
+def crc_reward(completion: str, example) -> float:
+    return float(zlib.crc32(completion.encode()) % 2)
+
+
+TINY_FLAGS = shlex.split(
+    "--model.name tiny --task.name add1 --task.n-train 16 --task.n-eval 2 "
+    "--task.reward-fn test_reliability4:crc_reward --rollout.prompts-per-step 2 --rollout.samples-per-prompt 2 "
+    "--rollout.max-new-tokens 4 --optim.micro-batch-size 4 --log.eval-samples 1 --log.no-progress "
+    "--log.no-eval-at-start --save-every 1"
+)
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch):
+    """The command line with the tiny model in place of the named one."""
+    import tokencredit.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to load a model fails the test: errors must come before."""
+    import tokencredit.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the error")
+
+    monkeypatch.setattr(models, "resolve_model", boom)
+    monkeypatch.setattr(models, "load_frozen", boom)
+
+
+def _cli(argv):
+    """main(argv) -> (exit code, stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def _one_line(code, err, start: str) -> str:
+    """The single line of a user error (exit 2) that starts with ``start``."""
+    assert code == 2, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(start), lines[0]
+    return lines[0]
+
+
+def _steps(out: Path):
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE)] + sys.path))
+
+
+# == 4. the run folder's lock survives `rm .lock` ============================================
+
+# A `train` in a child process, with the tiny model, that stops before the step it is told and
+# waits for a line on stdin (so the test can act while it holds the folder).
+_PAUSED_TRAIN = r"""
+import sys
+import tokencredit.models as models
+from tokencredit.testing import tiny_model_and_tokenizer
+models.resolve_model = lambda name, **k: tiny_model_and_tokenizer(seed=0)
+from tokencredit.trainer import Trainer
+pause_at = int(sys.argv[1])
+real = Trainer.train_step
+def step(self):
+    if self.step == pause_at:
+        print("paused", flush=True)
+        sys.stdin.readline()
+    return real(self)
+Trainer.train_step = step
+from tokencredit.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _paused_train(pause_at: int, argv):
+    child = subprocess.Popen([sys.executable, "-c", _PAUSED_TRAIN, str(pause_at)] + argv, env=_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = []
+    for line in child.stdout:  # "resumed from ...", then "paused"
+        said.append(line)
+        if line.strip() == "paused":
+            return child
+    child.kill()
+    raise AssertionError(f"the child run did not reach its pause: {said} {child.stderr.read()[-3000:]}")
+
+
+def test_a_second_resume_is_refused_after_the_lock_file_is_deleted(tmp_path, tiny_cli, monkeypatch):
+    out = tmp_path / "run"
+    flags = ["--output-dir", str(out)] + TINY_FLAGS
+    assert _cli(["train", "--steps", "2"] + flags)[0] == 0
+    first = _paused_train(2, ["train", "--resume", "--steps", "4"] + flags)  # holds the folder, before step 3
+    try:
+        for name in (".lock", ".lock.pid"):  # "stale" lock files, deleted by hand
+            (out / name).unlink()
+        import tokencredit.models as models
+
+        monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
+        code, err = _cli(["train", "--resume", "--steps", "4"] + flags)
+        assert _one_line(code, err, "tokencredit train: ") == (
+            f"tokencredit train: output_dir: {str(out)!r} is in use by another run (pid {first.pid}); "
+            f"wait for it to end, stop it, or choose another --output-dir")
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.wait(timeout=120) == 0, first.stderr.read()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert _steps(out) == [1.0, 2.0, 3.0, 4.0]  # each step once, none interleaved
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_a_live_processs_temporary_checkpoint_is_never_pruned(tmp_path):
+    import torch
+
+    from tokencredit.checkpoint import save_checkpoint
+    from tokencredit.runfolder import process_tag
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        dead_pid = int(dead.stdout)
+        names = {
+            "live": f".tmp_step_00000003_{process_tag(live.pid)}",  # another run writing its checkpoint
+            "dead": f".tmp_step_00000003_{dead_pid}-1",  # a killed run's leftover
+            "reused": f".tmp_step_00000004_{live.pid}-1",  # a dead writer whose pid is in use again
+        }
+        for name in names.values():
+            (root / name).mkdir()
+            (root / name / "state.pt").write_bytes(b"half")
+        save_checkpoint(root, 2, {"x": torch.ones(2)})
+        assert sorted(p.name for p in root.iterdir()) == sorted([names["live"], "step_00000002"])
+    finally:
+        live.stdin.close()
+        live.wait()
