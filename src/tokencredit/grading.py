@@ -19,6 +19,7 @@ import re
 import signal
 import threading
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = [
@@ -41,8 +42,14 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 # A number: optional sign (not after a word character or ")", so "5-3" is not "5" and "-3"),
-# comma-grouped thousands or plain digits, optional decimals; ordinals ("2nd") are not numbers.
-_NUM = re.compile(r"(?<![\w)\].])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)(?!(?:st|nd|rd|th)\b)")
+# comma-grouped thousands or plain digits, optional decimals, optionally a fraction "/ integer"
+# ("3/4" is one number, never 3); ordinals ("2nd") are not numbers, nor is anything of a
+# slash-separated run that is no fraction ("1/2/2020": no number at all).
+_NUM = re.compile(
+    r"(?<![\w)\]./])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?![.,]\d))?(?![\d/])(?!\s*/\s*\d)"
+    r"(?!(?:st|nd|rd|th)\b)"
+)
+_LATEX_FRAC = re.compile(r"^\\[dt]?frac\s*\{([^{}]+)\}\s*\{([^{}]+)\}$")
 _OPS = r"[+\-*/×÷^x]"
 _FOLLOWED_BY_OPERATOR = re.compile(rf"\s*(?:[=?]|{_OPS}\s*[-(]?\d)")
 _PRECEDED_BY_OPERATOR = re.compile(rf"(?:\d|\))\s*{_OPS}\s*$")
@@ -64,6 +71,31 @@ def _canon_number(s: str) -> Optional[str]:
     if d == 0:
         return "0"
     return format(d.normalize(), "f")
+
+
+def _as_fraction(s: Optional[str]) -> Optional[Fraction]:
+    """An answer string as an exact number: '1,234', '68.0', '3/4', '-6 / 8', '\\frac{3}{4}'
+    (also ``\\dfrac``, ``\\tfrac``); None when it is none (a zero denominator included)."""
+    if s is None:
+        return None
+    s = _strip_latex(str(s))
+    m = _LATEX_FRAC.match(s)
+    num, den = (m.group(1), m.group(2)) if m else (s.split("/", 1) if s.count("/") == 1 else (s, "1"))
+    a, b = _canon_number(num), _canon_number(den)
+    if a is None or b is None or Decimal(b) == 0:
+        return None
+    return Fraction(Decimal(a)) / Fraction(Decimal(b))
+
+
+def _canon_answer(s: str) -> Optional[str]:
+    """A number as :func:`_canon_number` writes it; a fraction in lowest terms ('6/8' -> '3/4',
+    '4/2' -> '2'); None if not a number."""
+    if "/" not in s:
+        return _canon_number(s)
+    f = _as_fraction(s)
+    if f is None:
+        return None
+    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
 
 
 def _last_boxed(text: str) -> Optional[str]:
@@ -93,7 +125,7 @@ def _answer_in(segment: str) -> Optional[str]:
     if "=" in segment:
         segment = segment.rsplit("=", 1)[1]
     m = _NUM.search(segment)
-    return _canon_number(m.group()) if m else None
+    return _canon_answer(m.group()) if m else None
 
 
 def _first_sentence(text: str) -> str:
@@ -106,21 +138,23 @@ def extract_final_answer(text: str) -> Optional[str]:
 
     Order: last ``\\boxed{X}``; last ``#### X``; last "answer is X" / "answer: X" (within its
     sentence; "answer is 5 + 3 = 8" gives 8); else the last number that is not an operand of a
-    restated expression. A boxed non-numeric answer (``\\frac{1}{2}``) is returned as written.
-    None when there is no answer.
+    restated expression. A fraction ``3/4`` is one number (in lowest terms, never "3"); a
+    slash-separated run that is no fraction (a date) is none. A boxed non-numeric answer
+    (``\\frac{1}{2}``) is returned as written (:func:`answers_match` reads ``\\frac``). None when
+    there is no answer.
     """
     if not text:
         return None
     boxed = _last_boxed(text)
     if boxed is not None:
         content = _strip_latex(boxed)
-        num = _canon_number(content)
+        num = _canon_answer(content)
         if num is not None:
             return num
         after_eq = content.rsplit("=", 1)[-1]
         nums = _NUM.findall(after_eq)
         if len(nums) == 1 and not re.search(r"\\|/", after_eq):
-            return _canon_number(nums[0])
+            return _canon_answer(nums[0])
         return content or None
     hashes = text.rfind("####")
     if hashes >= 0:
@@ -135,18 +169,15 @@ def extract_final_answer(text: str) -> Optional[str]:
     for m in reversed(list(_NUM.finditer(text))):
         if _FOLLOWED_BY_OPERATOR.match(text, m.end()) or _PRECEDED_BY_OPERATOR.search(text[: m.start()]):
             continue
-        return _canon_number(m.group())
+        return _canon_answer(m.group())
     return None
 
 
 def answers_match(pred: Optional[str], ref: str) -> bool:
-    """Numeric equality of two answer strings ('68.0' == '68', '1,234' == '1234')."""
-    if pred is None:
-        return False
-    a, b = _canon_number(pred), _canon_number(ref)
-    if a is None or b is None:
-        return False
-    return Decimal(a) == Decimal(b)
+    """Exact numeric equality of two answer strings ('68.0' == '68', '1,234' == '1234', '3/4' ==
+    '0.75' == '\\frac{3}{4}'); False when either is no number."""
+    a, b = _as_fraction(pred), _as_fraction(ref)
+    return a is not None and b is not None and a == b
 
 
 def numeric_reward(completion: str, example: Any) -> float:
