@@ -129,9 +129,10 @@ def test_sepa_schedule_gate_and_state():
     for batch in [failing] * 3 + [passing] * 4 + [failing] * 12:
         c.update(batch)
         lams.append(c.lam())
-    # closed for 3 steps (25% correct < 50%), then open for good: (step - 2) / 10, capped at 1
-    assert lams[:3] == [0.0] * 3
-    assert lams[3:8] == pytest.approx([0.2, 0.3, 0.4, 0.5, 0.6])
+    # closed for 3 steps (25% correct < 50%); step 3 resolves its lambda before its own correct
+    # rate opens the gate (retrain's order); then open for good: (step - 2) / 10, capped at 1
+    assert lams[:4] == [0.0] * 4
+    assert lams[4:9] == pytest.approx([0.2, 0.3, 0.4, 0.5, 0.6])
     assert lams[-1] == 1.0
     d = c.state_dict()
     c2 = SEPAController(c.config)
@@ -142,9 +143,10 @@ def test_sepa_schedule_gate_and_state():
     # the pipeline steps the controller before the credit (STARE's order), replays do not
     pipe = CreditPipeline("sepa", sepa={"steps": 1, "delay_steps": 0, "correct_rate_gate": 0.0})
     out = pipe(passing)
-    assert out.metrics["sepa/lambda"] == 1.0 and pipe.states["sepa"].step == 1
-    pipe(passing, update_state=False)
-    assert pipe.states["sepa"].step == 1
+    assert out.metrics["sepa/lambda"] == 0.0 and pipe.states["sepa"].step == 1  # step 0: (0 - 0) / 1
+    assert pipe(passing).metrics["sepa/lambda"] == 1.0
+    assert pipe(passing, update_state=False).metrics["sepa/lambda"] == 1.0
+    assert pipe.states["sepa"].step == 2
 
 
 def _word_tokenizer():

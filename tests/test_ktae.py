@@ -32,12 +32,42 @@ def ref_fisher(a, b, c, d):
     return sum((prob(k) for k in range(max(0, r1 + c1 - n), min(r1, c1) + 1) if prob(k) <= obs), Fraction(0))
 
 
-def ref_group_scores(rows, correct, *, alpha=1.0, beta=1.0, tf=True, k1=2.0, b=0.5, top=1.0):
-    """{token id: score} for one group: rows are lists of valid token ids, correct a list of bools."""
+def ref_fisher_term_float32(tables):
+    """The reference's Fisher term of each row [a, b, c, d] of ``tables`` (float32 [N, 4]; rows of
+    zeros for the ids absent from the group, as the reference's table of every id up to the
+    largest): its vectorised ``fisher_exact_test`` (one k grid as wide as the largest min(a + b,
+    a + c) + 1, tables kept where ``p_k <= p_obs`` exactly, summed in float32), then
+    ``exp(-2 p)`` where ``p != 1.0``, else 0."""
+    a, b, c, d = tables.unbind(1)
+    R1, C1, n = a + b, a + c, a + b + c + d
+    k_min = torch.clamp(R1 + C1 - n, min=0)
+    k_max = torch.minimum(R1, C1)
+    grid = torch.arange(int(k_max.max()) + 1, dtype=torch.float32).repeat(tables.shape[0], 1)
+    inside = (grid >= k_min[:, None]) & (grid <= k_max[:, None])
+
+    def log_comb(N, K):
+        return torch.lgamma(N + 1) - torch.lgamma(K + 1) - torch.lgamma(N - K + 1)
+
+    p_k = torch.exp(log_comb(C1[:, None], grid) + log_comb((n - C1)[:, None], R1[:, None] - grid)
+                    - log_comb(n, R1)[:, None]) * inside.float()
+    p_obs = torch.exp(log_comb(C1, a) + log_comb(n - C1, R1 - a) - log_comb(n, R1))
+    p = torch.where((p_k <= p_obs[:, None]) & inside, p_k, torch.tensor(0.0)).sum(1)
+    return torch.where(p != 1.0, torch.exp(-2 * p), torch.tensor(0.0))
+
+
+def ref_group_scores(rows, correct, *, alpha=1.0, beta=1.0, tf=True, k1=2.0, b=0.5, top=1.0, rule="float32"):
+    """{token id: score} for one group: rows are lists of valid token ids, correct a list of bools.
+    ``rule``: the Fisher term as the reference computes it ("float32") or exactly ("exact")."""
     if all(correct) or not any(correct):
         return {y: 0.0 for r in rows for y in r}
     C = [r for r, ok in zip(rows, correct) if ok]
     W = [r for r, ok in zip(rows, correct) if not ok]
+    top_id = max(y for r in rows for y in r)
+    table = torch.zeros(top_id + 1, 4, dtype=torch.float32)
+    for y in {y for r in rows for y in r}:
+        a_, b_ = sum(y in r for r in C), sum(y in r for r in W)
+        table[y] = torch.tensor([a_, b_, len(C) - a_, len(W) - b_], dtype=torch.float32)
+    term32 = ref_fisher_term_float32(table).tolist()
     Lc, Lw = sum(map(len, C)), sum(map(len, W))
     avg = (Lc + Lw) / 2
     Kc, Kw = k1 * (1 - b + b * Lc / avg), k1 * (1 - b + b * Lw / avg)
@@ -50,8 +80,11 @@ def ref_group_scores(rows, correct, *, alpha=1.0, beta=1.0, tf=True, k1=2.0, b=0
         a_, b_ = sum(y in r for r in C), sum(y in r for r in W)
         c_, d_ = len(C) - a_, len(W) - b_
         n = len(rows)
-        p = ref_fisher(a_, b_, c_, d_)
-        fisher = 0.0 if p == 1 else math.exp(-2 * float(p))
+        if rule == "exact":
+            p = ref_fisher(a_, b_, c_, d_)
+            fisher = 0.0 if p == 1 else math.exp(-2 * float(p))
+        else:
+            fisher = term32[y]
         ig = H([len(C) / n, len(W) / n])
         for x1, x2 in ((a_, b_), (c_, d_)):
             if x1 + x2:
@@ -98,21 +131,41 @@ def _random_batch(seed, B=8, T=9, V=6, group=4):
                        token_ids=torch.where(mask, ids, torch.full_like(ids, 99999)))
 
 
+@pytest.mark.parametrize("rule", ["float32", "exact"])
 @pytest.mark.parametrize("seed", range(12))
-def test_equals_the_authors_definition_at_defaults_on_random_groups(seed):
+def test_equals_the_authors_definition_at_defaults_on_random_groups(seed, rule):
     batch = _random_batch(seed)
-    out = ktae(batch, KTAEConfig())
-    torch.testing.assert_close(out.advantages.double(), ref_advantages(batch), rtol=1e-9, atol=1e-9)
+    out = ktae(batch, KTAEConfig() if rule == "float32" else KTAEConfig(p_one_rule=rule))
+    torch.testing.assert_close(out.advantages.double(), ref_advantages(batch, rule=rule), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("rule", ["float32", "exact"])
 @pytest.mark.parametrize("kw", [dict(alpha=0.0), dict(beta_ig=0.0), dict(tf_term=False), dict(beta_ig=2.0, top=0.5),
                                 dict(k1=1.2, b=0.75)])
-def test_equals_the_authors_definition_off_defaults(kw):
+def test_equals_the_authors_definition_off_defaults(kw, rule):
     batch = _random_batch(5, B=12, V=4, group=6)
     ref_kw = {"alpha": kw.get("alpha", 1.0), "beta": kw.get("beta_ig", 1.0), "tf": kw.get("tf_term", True),
-              "top": kw.get("top", 1.0), "k1": kw.get("k1", 2.0), "b": kw.get("b", 0.5)}
-    torch.testing.assert_close(ktae(batch, KTAEConfig(**kw)).advantages.double(), ref_advantages(batch, **ref_kw),
-                               rtol=1e-9, atol=1e-9)
+              "top": kw.get("top", 1.0), "k1": kw.get("k1", 2.0), "b": kw.get("b", 0.5), "rule": rule}
+    torch.testing.assert_close(ktae(batch, KTAEConfig(p_one_rule=rule, **kw)).advantages.double(),
+                               ref_advantages(batch, **ref_kw), rtol=1e-9, atol=1e-9)
+
+
+def test_the_p_one_rules_on_the_issues_example():
+    """Token 6 is in one correct and one wrong response of four: the table [[1, 1], [1, 1]], exact
+    p = 1. The reference's float32 sum 1/6 + 2/3 + 1/6 falls just below 1.0, so it keeps a Fisher
+    term of about exp(-2) (advantage 0.9106); the exact rule has none (0.8660, GRPO's, since
+    token 6's Cohen's h and information gain are 0 and only the BM25 ratio is left to multiply)."""
+    ids = torch.tensor([[6, 6, 5], [5, 7, 9], [6, 8, 9], [8, 9, 9]])
+    batch = CreditBatch(response_mask=torch.ones(4, 3, dtype=torch.bool), rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]),
+                        group_ids=torch.zeros(4, dtype=torch.long), token_ids=ids)
+    ref = ktae(batch, KTAEConfig()).advantages
+    exact = ktae(batch, KTAEConfig(p_one_rule="exact")).advantages
+    assert float(ref[0, 0]) == pytest.approx(0.9106, abs=5e-5) and float(exact[0, 0]) == pytest.approx(0.8660, abs=5e-5)
+    assert float(ref[2, 0]) == pytest.approx(-0.8214, abs=5e-5) and float(exact[2, 0]) == pytest.approx(-0.8660, abs=5e-5)
+    assert KTAEConfig().p_one_rule == "float32"  # the authors' code's rule is the default
+    # (float32 rewards: float32 advantages)
+    torch.testing.assert_close(ref.double(), ref_advantages(batch), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(exact.double(), ref_advantages(batch, rule="exact"), rtol=1e-6, atol=1e-6)
 
 
 def test_fisher_exact_known_values():
@@ -178,7 +231,7 @@ def test_bad_token_ids_and_config_are_one_line_errors():
         CreditPipeline("ktae")(batch.replace(token_ids=None))
     for kw, field in [({"alpha": -1.0}, "alpha"), ({"alpha": 0.0, "beta_ig": 0.0}, "alpha \\+ beta_ig"),
                       ({"top": 0.0}, "top"), ({"b": 2.0}, "b"), ({"k1": 0}, "k1"), ({"tf_term": 1}, "tf_term"),
-                      ({"ignore_token_ids": (-3,)}, "ignore_token_ids")]:
+                      ({"ignore_token_ids": (-3,)}, "ignore_token_ids"), ({"p_one_rule": "float64"}, "p_one_rule")]:
         with pytest.raises(ValueError, match=f"ktae {field}"):
             KTAEConfig(**kw)
 

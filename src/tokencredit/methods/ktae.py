@@ -7,7 +7,7 @@ success, from a 2 x 2 contingency table of *responses* (not occurrences):
     a = correct responses containing y     b = wrong responses containing y
     c = correct responses without y        d = wrong responses without y
 
-    fisher(y) = exp(-2 p)  (p the two-sided Fisher exact p-value of the table; 0 when p = 1)
+    fisher(y) = exp(-2 p)  (p the two-sided Fisher exact p-value of the table; 0 when p = 1, see p_one_rule)
     ig(y)     = H(outcome) - H(outcome | y present)                       (bits)
     x(y)      = asin sqrt(a / (a + c)) - asin sqrt(b / (b + d))           (Cohen's h)
               + tf_c / (tf_w + 1e-5) - tf_w / (tf_c + 1e-5)               (tf_term: BM25 frequencies)
@@ -26,10 +26,12 @@ Provenance: **ref-code**, read in the authors' repository xiaolizh1/KTAE
 (``verl/workers/actor/compute_key_tokens.py`` for the scores, ``verl/trainer/ppo/core_algos.py``
 ``compute_ktae_outcome_advantage_and_keytokens`` for the combination and its defaults: alpha,
 beta_ig, gamma_tf and top all 1.0 there; the launch scripts also pass beta_ig = 2, which that
-estimator does not read). Deviations, all numerical or tokenizer-specific (docs/methods.md):
-float64 and a relative tolerance of 1e-7 on the Fisher tie test (as R's and SciPy's
-``fisher_exact``) where the reference compares float32 values exactly; p = 1 decided on the same
-tolerance; the reference zeroes the score of Qwen's ``<|endoftext|>`` (id 151643), here the ids in
+estimator does not read). The Fisher term is 0 where "p = 1": ``p_one_rule="float32"``
+(default) as the reference, whose float32 p-value of an exact-p = 1 table often sums to just
+below 1.0 and keeps a term of about exp(-2); ``"exact"`` in float64 with a relative tie tolerance
+of 1e-7 (as R's and SciPy's ``fisher_exact``), 0 exactly when p = 1 (the difference is measured in
+docs/methods.md). Other deviations, numerical or tokenizer-specific: float64 elsewhere; the
+reference zeroes the score of Qwen's ``<|endoftext|>`` (id 151643), here the ids in
 ``ignore_token_ids`` (default none).
 """
 
@@ -46,10 +48,12 @@ from ..batch import CreditBatch
 from ..ops import group_mean, group_std, groups_of, masked_fill_zero
 from ..registry import CreditOutput, register_estimator
 
-__all__ = ["KTAEConfig", "ktae", "key_token_scores", "fisher_exact_two_sided"]
+__all__ = ["KTAEConfig", "ktae", "key_token_scores", "fisher_exact_two_sided", "fisher_p_float32", "P_ONE_RULES"]
 
 #: relative tolerance of the Fisher tie test (R's fisher.test, scipy.stats.fisher_exact)
 FISHER_REL_TOL = 1e-7
+#: KTAEConfig.p_one_rule: the reference's float32 test of p against 1.0, or the exact rule
+P_ONE_RULES = ("float32", "exact")
 
 
 @dataclass
@@ -73,6 +77,10 @@ class KTAEConfig:
     eps: float = 1e-6
     # token ids whose score is forced to 0 (the reference zeroes Qwen's <|endoftext|>, 151643)
     ignore_token_ids: Tuple[int, ...] = ()
+    # when the Fisher term is 0: "float32" as the reference (the p-value summed in float32, ties
+    # compared exactly, the term kept wherever that sum != 1.0, often on tables whose exact p is 1),
+    # or "exact" (float64, ties within a relative 1e-7, the term 0 exactly when p = 1)
+    p_one_rule: str = "float32"
 
     def __post_init__(self):
         for name in ("alpha", "beta_ig"):
@@ -97,6 +105,8 @@ class KTAEConfig:
         if not (isinstance(ids, (tuple, list)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
             raise ValueError(f"ktae ignore_token_ids: expected a list of token ids >= 0, got {ids!r}")
         self.ignore_token_ids = tuple(ids)
+        if self.p_one_rule not in P_ONE_RULES:
+            raise ValueError(f"ktae p_one_rule: expected one of {list(P_ONE_RULES)}, got {self.p_one_rule!r}")
 
 
 def _log_comb(n: Tensor, k: Tensor) -> Tensor:
@@ -122,6 +132,25 @@ def fisher_exact_two_sided(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor
     pobs = (_log_comb(c1, a) + _log_comb(n - c1, r1 - a) - _log_comb(n, r1)).exp()
     keep = ok & (p <= pobs.unsqueeze(-1) * (1 + FISHER_REL_TOL))
     return torch.where(keep, p, torch.zeros_like(p)).sum(-1).clamp_max(1.0), keep.sum(-1) == ok.sum(-1)
+
+
+def fisher_p_float32(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
+    """The two-sided Fisher p-values of the tables [[a, b], [c, d]] as the reference computes
+    them: float32 throughout, the tables no more likely than the observed one chosen by an exact
+    comparison ``p_k <= p_obs``, summed over one grid of width ``max min(a + b, a + c) + 1``."""
+    a, b, c, d = (x.to(torch.float32) for x in (a, b, c, d))
+    r1, c1 = a + b, a + c
+    n = r1 + c + d
+    lo = (r1 + c1 - n).clamp_min(0)
+    hi = torch.minimum(r1, c1)
+    K = int(hi.max().item()) + 1 if hi.numel() else 1
+    k = torch.arange(K, dtype=torch.float32, device=a.device).expand(*a.shape, K)
+    ok = (k >= lo.unsqueeze(-1)) & (k <= hi.unsqueeze(-1))
+    kk = torch.where(ok, k, lo.unsqueeze(-1))  # lgamma's arguments valid off the support
+    c1_, r1_, n_ = c1.unsqueeze(-1), r1.unsqueeze(-1), n.unsqueeze(-1)
+    p_k = (_log_comb(c1_, kk) + _log_comb(n_ - c1_, r1_ - kk) - _log_comb(n_, r1_)).exp() * ok.float()
+    p_obs = (_log_comb(c1, a) + _log_comb(n - c1, r1 - a) - _log_comb(n, r1)).exp()
+    return torch.where((p_k <= p_obs.unsqueeze(-1)) & ok, p_k, torch.zeros_like(p_k)).sum(-1)
 
 
 def _entropy_bits(p: Tensor) -> Tensor:
@@ -154,7 +183,10 @@ def key_token_scores(ids: Tensor, mask: Tensor, correct: Tensor, config: KTAECon
         return torch.where(s > 0, _entropy_bits(x1 / s.clamp_min(1)) + _entropy_bits(x2 / s.clamp_min(1)), torch.zeros_like(s))
 
     ig = h_y - ((a + b) / tot * cond(a, b) + (c + d) / tot * cond(c, d))
-    if config.alpha:
+    if config.alpha and config.p_one_rule == "float32":
+        p32 = fisher_p_float32(a, b, c, d)
+        fisher = torch.where(p32 != 1.0, torch.exp(-2 * p32), torch.zeros_like(p32)).to(f64)  # the reference's rule
+    elif config.alpha:
         p, all_kept = fisher_exact_two_sided(a, b, c, d)
         fisher = torch.where(all_kept, torch.zeros_like(p), torch.exp(-2 * p))  # p = 1: no evidence
     else:

@@ -9,10 +9,17 @@ Per response, from the surprisal of each sampled token ``s_t = min(-log pi(y_t),
     A'_t    = w_t A_t
 
 so that after pooling the GTPO weight separates planning tokens from the (flattened) execution
-tokens. ``lam`` follows a controller (:class:`SEPAController`, stepped once per optimisation step
-before the credit, like STARE's): ``lam = clip((step - delay_steps) / steps, 0, 1)`` once the
-share of correct responses (R > 0) in a step has reached ``correct_rate_gate`` (sticky); 0 until
-then. ``lam`` (config) fixes it instead.
+tokens. ``lam`` follows a controller (:class:`SEPAController`) in retrain's order: at step k
+(0-based, counting the controller's updates) the step's ``lam`` is resolved *before* step k's
+correct rate is observed,
+
+    lam_k = clip((k - delay_steps) / steps, 0, 1)   if the gate is open after steps 0 .. k-1
+          = 0                                        otherwise
+
+then the gate observes step k's share of correct responses (``R > correct_threshold``, retrain's
+``CORRECT_THRESHOLD`` 0.5) and opens for good once it reaches ``correct_rate_gate``. The pipeline
+steps the controller before the credit, so :meth:`SEPAController.update` records ``lam_k`` first
+and the credit reads it (:meth:`SEPAController.lam`). ``lam`` (config) fixes it instead.
 
 Provenance: **ref-code**: ``teilomillet/retrain`` (``retrain/advantages/credit.py``:
 ``apply_sepa_pooling`` and ``apply_gtpo_weighting``; ``retrain/advantages/pipeline.py``: pooling,
@@ -56,6 +63,8 @@ class SEPAConfig:
     delay_steps: int = 50
     # retrain's sepa_correct_rate_gate: pooling stays off until a step's share of correct responses reaches it
     correct_rate_gate: float = 0.1
+    # a response counts as correct for the gate when R > this (retrain's CORRECT_THRESHOLD, training/signals.py)
+    correct_threshold: float = 0.5
     # a fixed pooling strength in [0, 1] instead of the schedule (None: the schedule)
     lam: Optional[float] = None
 
@@ -68,12 +77,15 @@ class SEPAConfig:
                 raise ValueError(f"sepa {name}: expected an int >= 0, got {v!r}")
         if not (_num(self.correct_rate_gate) and 0 <= self.correct_rate_gate <= 1):
             raise ValueError(f"sepa correct_rate_gate: expected a number in [0, 1], got {self.correct_rate_gate!r}")
+        if not _num(self.correct_threshold):
+            raise ValueError(f"sepa correct_threshold: expected a finite number, got {self.correct_threshold!r}")
         if self.lam is not None and not (_num(self.lam) and 0 <= self.lam <= 1):
             raise ValueError(f"sepa lam: expected None or a number in [0, 1], got {self.lam!r}")
 
 
 class SEPAController:
-    """SEPA's checkpointed state: the step count and the correctness gate."""
+    """SEPA's checkpointed state: the number of steps taken, the correctness gate, and the
+    pooling strength resolved for the last step (the one its credit used)."""
 
     def __init__(self, config: SEPAConfig):
         if not isinstance(config, SEPAConfig):
@@ -81,36 +93,51 @@ class SEPAController:
         self.config = config
         self.step = 0
         self.gate_open = config.correct_rate_gate <= 0
+        self.current = self.resolve(0)
 
-    def lam(self) -> float:
+    def resolve(self, step: int) -> float:
+        """retrain's ``resolve_lambda(step)`` with the gate as it is now."""
         c = self.config
         if c.lam is not None:
             return float(c.lam)
         if not self.gate_open or c.steps <= 0:
             return 0.0
-        return min(max((self.step - c.delay_steps) / c.steps, 0.0), 1.0)
+        return min(max((step - c.delay_steps) / c.steps, 0.0), 1.0)
+
+    def lam(self) -> float:
+        """The pooling strength of the current step (resolved by the last :meth:`update`)."""
+        return self.current
 
     def update(self, batch: CreditBatch) -> Dict[str, float]:
+        # retrain's order: resolve this step's lambda, then observe this step's correct rate
+        self.current = self.resolve(self.step)
         rows = batch.mask.any(1)
         if not self.gate_open and bool(rows.any()):
-            rate = float((batch.rewards[rows] > 0).double().mean())
+            rate = float((batch.rewards[rows] > self.config.correct_threshold).double().mean())
             self.gate_open = rate >= self.config.correct_rate_gate
         self.step += 1
-        return {"sepa/lambda_next": self.lam(), "sepa/controller_step": float(self.step)}
+        return {"sepa/lambda_next": self.resolve(self.step), "sepa/controller_step": float(self.step)}
 
     def state_dict(self) -> Dict[str, object]:
-        return {"step": int(self.step), "gate_open": bool(self.gate_open)}
+        return {"step": int(self.step), "gate_open": bool(self.gate_open), "lam": float(self.current)}
 
     def load_state_dict(self, d: Dict[str, object]) -> None:
-        if not isinstance(d, dict) or set(d) != {"step", "gate_open"}:
+        # {"step", "gate_open"}: a state saved before "lam" was recorded (that controller resolved
+        # lambda after observing the step, at the incremented step: resolve(step) gives it again)
+        keys = {"step", "gate_open", "lam"}
+        if not isinstance(d, dict) or set(d) not in (keys, keys - {"lam"}):
             got = sorted(d) if isinstance(d, dict) else type(d).__name__
-            raise KeyError(f"sepa state: expected keys ['gate_open', 'step'], got {got}")
+            raise KeyError(f"sepa state: expected keys ['gate_open', 'lam', 'step'], got {got}")
         step = d["step"]
         if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
             raise ValueError(f"sepa state step: expected an int >= 0, got {step!r}")
         if not isinstance(d["gate_open"], bool):
             raise ValueError(f"sepa state gate_open: expected a bool, got {d['gate_open']!r}")
+        lam = d.get("lam")
+        if lam is not None and not (_num(lam) and 0 <= lam <= 1):
+            raise ValueError(f"sepa state lam: expected a number in [0, 1], got {lam!r}")
         self.step, self.gate_open = step, d["gate_open"]
+        self.current = float(lam) if lam is not None else self.resolve(step)
 
 
 def pooled_surprisal(surprisal: Tensor, mask: Tensor, planning: Tensor, lam: float) -> Tensor:
