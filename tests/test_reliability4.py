@@ -170,3 +170,56 @@ def test_a_live_processs_temporary_checkpoint_is_never_pruned(tmp_path):
     finally:
         live.stdin.close()
         live.wait()
+
+
+# == 5. a user's data files: one format per folder; a changed file refuses --resume =========
+
+DATA_FLAGS = shlex.split(
+    "--model.name tiny --task.n-train 16 --task.n-eval 2 --rollout.prompts-per-step 2 --rollout.samples-per-prompt 2 "
+    "--rollout.max-new-tokens 4 --optim.micro-batch-size 4 --log.eval-samples 1 --log.no-progress "
+    "--log.no-eval-at-start --save-every 1 --data.eval-fraction 0.2"
+)
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _qa(n: int, start: int = 0):
+    return [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(start, start + n)]
+
+
+def test_a_data_folder_of_mixed_formats_is_refused_naming_the_files(tmp_path, no_model_loading):
+    import pandas as pd
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_jsonl(data / "a.jsonl", _qa(20))
+    pd.DataFrame(_qa(5, 100)).to_parquet(data / "b.parquet")
+    code, err = _cli(["train", "--data.path", str(data), "--output-dir", str(tmp_path / "run"), "--steps", "1"] + DATA_FLAGS)
+    assert _one_line(code, err, "tokencredit train: ") == (
+        f"tokencredit train: data.path: expected the files of one format in the folder {str(data)!r}, got a.jsonl (json), "
+        f"b.parquet (parquet); keep one format there, or name one file")
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_on_a_changed_data_file_is_refused_like_a_changed_setting(tmp_path, tiny_cli, monkeypatch):
+    rows = tmp_path / "rows.jsonl"
+    _write_jsonl(rows, _qa(10))
+    out = tmp_path / "run"
+    flags = ["--data.path", str(rows), "--output-dir", str(out)] + DATA_FLAGS
+    assert _cli(["train", "--steps", "1"] + flags)[0] == 0
+    assert _cli(["train", "--steps", "2", "--resume"] + flags)[0] == 0  # the same file resumes
+    before = rows.read_bytes()
+    _write_jsonl(rows, _qa(10, 50))  # replaced at the same path
+    import tokencredit.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
+    code, err = _cli(["train", "--steps", "3", "--resume"] + flags)
+    line = _one_line(code, err, f"tokencredit train: resume: the run in {str(out)!r} was trained on other data: ")
+    assert f"data.path {str(rows)!r} changed (sha256 " in line and "train in a new output_dir" in line, line
+    assert _steps(out) == [1.0, 2.0]
+    rows.write_bytes(before)  # the file it trained on again: resumes
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+    assert _cli(["train", "--steps", "3", "--resume"] + flags)[0] == 0
+    assert _steps(out) == [1.0, 2.0, 3.0]

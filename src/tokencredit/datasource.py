@@ -34,10 +34,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DATA_EVAL_FRACTION",
+    "DATA_FIELDS",
     "DatasetError",
     "Example",
     "OwnData",
     "column_value",
+    "data_files",
+    "data_fingerprint",
+    "setting",
     "load_own_data",
     "load_splits",
 ]
@@ -153,6 +157,28 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def data_files(folder: Path) -> List[Path]:
+    """The data files ``datasets`` reads in ``folder`` (its own rules: any depth, hidden and
+    ``__`` entries left out), those of the formats tokencredit reads, sorted."""
+    out = []
+    for f in folder.rglob("*"):
+        rel = f.relative_to(folder).parts
+        if f.suffix.lower() in _BUILDERS and f.is_file() and not any(x.startswith((".", "__")) for x in rel):
+            out.append(f)
+    return sorted(out)
+
+
+def _one_format(folder: Path, path: str, field: str) -> None:
+    """Refuse a folder of data files in two or more formats: ``datasets`` would read the files of
+    one format only and leave the others out without a word."""
+    files = data_files(folder)
+    if len({_BUILDERS[f.suffix.lower()] for f in files}) > 1:
+        named = [f"{f.relative_to(folder).as_posix()} ({_BUILDERS[f.suffix.lower()]})" for f in files[:8]]
+        more = f" and {len(files) - 8} more" if len(files) > 8 else ""
+        raise DatasetError(f"{field}: expected the files of one format in the folder {path!r}, got {', '.join(named)}{more}; "
+                           f"keep one format there, or name one file")
+
+
 def load_splits(path: str, field: str = "data.path") -> Tuple[Dict[str, List[Dict[str, Any]]], str]:
     """``path`` (a file, a folder or a hub id ``owner/name[:config]``) -> ({split: rows}, a short
     name for messages). A single file is one split, ``train``."""
@@ -179,6 +205,7 @@ def load_splits(path: str, field: str = "data.path") -> Tuple[Dict[str, List[Dic
                 raise DatasetError(f"{field}: cannot read {path!r} as {builder} ({type(cause).__name__}: {_one_line(cause)})") from None
             return {"train": ds.to_list()}, str(p)
         if p.is_dir():
+            _one_format(p, path, field)
             try:
                 dd = datasets.load_dataset(str(p))
             except Exception as e:
@@ -368,3 +395,47 @@ def load_task_rows(name: str, path: Optional[str], hub_default: Tuple[str, Optio
         raise DatasetError(f"task.path: expected a 'train' split in {where}, got splits {sorted(splits)}")
     test = next((splits[s] for s in ("test", "eval", "validation") if s in splits), None)
     return splits["train"], test, where
+
+
+# ---------------------------------------------------------------------------------------------
+# The data a run trained on: its files' sha256 (runfolder records it and checks it on resume)
+# ---------------------------------------------------------------------------------------------
+
+#: the settings that name data files: a run records the sha256 of each local file they name
+DATA_FIELDS = ("data.path", "data.eval_path", "task.path")
+_HASHES: Dict[Tuple, str] = {}
+
+
+def _sha256(f: Path) -> str:
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    if key not in _HASHES:  # a resume checks twice (config.json, then the checkpoint's copy)
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def setting(config: Mapping[str, Any], name: str) -> Any:
+    section, key = name.split(".")
+    part = config.get(section)
+    return part.get(key) if isinstance(part, Mapping) else None
+
+
+def data_fingerprint(config: Mapping[str, Any]) -> Dict[str, Dict[str, str]]:
+    """``{setting: {file: sha256}}`` for each setting of :data:`DATA_FIELDS` in ``config``
+    (``config_to_dict``) that names a local file or folder (a folder: each of its data files, by
+    relative name). A hub id, or a path that is not there, has no entry."""
+    out = {}
+    for name in DATA_FIELDS:
+        value = setting(config, name)
+        if not isinstance(value, str) or not value.strip():
+            continue
+        p = Path(value)
+        if p.is_file():
+            out[name] = {p.name: _sha256(p)}
+        elif p.is_dir():
+            out[name] = {f.relative_to(p).as_posix(): _sha256(f) for f in data_files(p)}
+    return out

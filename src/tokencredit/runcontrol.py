@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from .checkpoint import latest_checkpoint, load_latest_checkpoint
 from .config import SAFE_TO_CHANGE, ConfigError, config_diff
-from .runfolder import DiskFullError, claim_run_folder
+from .runfolder import DiskFullError, check_data_unchanged, claim_run_folder
 
 __all__ = ["StopSignals", "check_resume_config", "holding_run_folder", "resume_state"]
 
@@ -69,6 +69,7 @@ def check_resume_config(folder: Path, config: Dict[str, Any], saved: Any, where:
             f"{'; '.join(diffs)}. Resume with its settings (only {', '.join(sorted(SAFE_TO_CHANGE))} "
             f"may change) or train in a new output_dir"
         )
+    check_data_unchanged(folder, config)  # the sha256 of its data files (runfolder)
 
 
 def resume_state(folder: Path, config: Dict[str, Any]) -> Tuple[Path, Dict[str, Any]]:

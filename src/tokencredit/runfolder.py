@@ -18,8 +18,9 @@
   logged twice. :func:`read_metrics` reads the file and skips a damaged line with a warning.
 * :func:`write_atomic`: a small file written to a temporary sibling and renamed into place;
   a full disk is a :class:`DiskFullError` (one line) and leaves no temporary file.
-* :class:`RunLog`: a run's logs as it opens them: ``config.json`` (atomic), ``metrics.jsonl``
-  (a :class:`MetricsWriter`), TensorBoard and W&B when asked.
+* :class:`RunLog`: a run's logs as it opens them: ``config.json`` (atomic), the sha256 of its
+  data files (``data_fingerprint.json``, ``datasource.data_fingerprint``), ``metrics.jsonl`` (a
+  :class:`MetricsWriter`), TensorBoard and W&B when asked.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from .config import ConfigError
 
@@ -42,6 +43,7 @@ __all__ = [
     "RunFolderWarning",
     "RunLock",
     "RunLog",
+    "check_data_unchanged",
     "check_run_folder",
     "claim_run_folder",
     "holds_run",
@@ -54,8 +56,10 @@ __all__ = [
 
 #: the entries that make a folder a run's (their presence refuses a fresh ``train``)
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")
+#: the sha256 of the data files a run trains on (``datasource.data_fingerprint``), checked on resume
+FINGERPRINT_NAME = "data_fingerprint.json"
 #: what ``--overwrite`` moves aside: the run's own entries (anything else in the folder stays)
-RUN_ENTRIES = RUN_FILES + ("eval", "final", "tensorboard", "wandb")
+RUN_ENTRIES = RUN_FILES + ("eval", "final", "tensorboard", "wandb", FINGERPRINT_NAME)
 LOCK_NAME = ".lock"
 PID_NAME = ".lock.pid"
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
@@ -102,6 +106,12 @@ def _aside_name(path: Path) -> Path:
 
 
 def _refusal(path: Path, found: List[str]) -> RunFolderError:
+    if not any((path / "checkpoints").glob("step_*")):  # killed before its first checkpoint: nothing to resume
+        return RunFolderError(
+            f"output_dir: {str(path)!r} holds a run that stopped before its first checkpoint ({', '.join(found)}); "
+            f"start again with --overwrite (the old run is moved to {str(_aside_name(path))!r}, nothing is deleted), "
+            f"or choose another --output-dir"
+        )
     return RunFolderError(
         f"output_dir: {str(path)!r} already holds a run ({', '.join(found)}); continue it with --resume, "
         f"start again with --overwrite (the old run is moved to {str(_aside_name(path))!r}, nothing is deleted), "
@@ -310,6 +320,49 @@ def claim_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool, 
     return lock
 
 
+# -- the data it trained on ----------------------------------------------------------------
+
+
+def _changes(value: str, was: Mapping[str, str], now: Mapping[str, str]) -> List[str]:
+    if Path(value).is_file() and len(was) == 1 and set(was) == set(now):
+        return [f"{value!r} changed (sha256 {next(iter(was.values()))[:12]} -> {next(iter(now.values()))[:12]})"]
+    out = []
+    for f in sorted(set(was) | set(now)):
+        if f not in now:
+            out.append(f"{f} removed")
+        elif f not in was:
+            out.append(f"{f} added")
+        elif was[f] != now[f]:
+            out.append(f"{f} changed (sha256 {was[f][:12]} -> {now[f][:12]})")
+    return [f"{value!r}: " + ", ".join(out)]
+
+
+def check_data_unchanged(folder: os.PathLike | str, config: Mapping[str, Any]) -> None:
+    """Refuse to resume the run in ``folder`` on data files that differ from those it trained
+    on (its :data:`FINGERPRINT_NAME`), as a changed setting is refused: a ``ConfigError`` naming
+    each setting and file. No record (a run written before it, data from the hub) or a path
+    that is not there (the loader says so) is no objection."""
+    from .datasource import DATA_FIELDS, data_fingerprint, setting
+
+    try:
+        saved = json.loads((Path(folder) / FINGERPRINT_NAME).read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict):
+        return
+    now = data_fingerprint(config)
+    diffs = []
+    for name in DATA_FIELDS:
+        was, cur = saved.get(name), now.get(name)
+        if isinstance(was, dict) and cur is not None and was != cur:
+            diffs += [f"{name} {c}" for c in _changes(setting(config, name), was, cur)]
+    if diffs:
+        raise ConfigError(
+            f"resume: the run in {str(folder)!r} was trained on other data: {'; '.join(diffs)} ({FINGERPRINT_NAME} "
+            f"records the files it trained on). Resume with those files or train in a new output_dir"
+        )
+
+
 # -- writes ----------------------------------------------------------------------------------
 
 
@@ -442,6 +495,11 @@ class RunLog:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomic(self.folder / "config.json", json.dumps(config, indent=2), "config.json")
+        from .datasource import data_fingerprint
+
+        data = data_fingerprint(config)  # the sha256 of the data files it trains on (checked on resume)
+        if data:
+            write_atomic(self.folder / FINGERPRINT_NAME, json.dumps(data, indent=2), FINGERPRINT_NAME)
         self.metrics = MetricsWriter(self.folder / "metrics.jsonl", resume_step=resume_step)
         self._writers: List[Any] = []
         if tensorboard:
