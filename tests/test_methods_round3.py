@@ -116,3 +116,254 @@ def test_sepa_state_round_trip_and_replay_use_the_steps_lambda():
         c3.load_state_dict({"step": 3, "gate_open": True, "lam": 1.5})
     with pytest.raises(ValueError, match="sepa correct_threshold"):
         SEPAConfig(correct_threshold=math.nan)
+
+
+# -- GSPO (ppo with importance_sampling_level="sequence") and CISPO ------------------------------
+
+from tokencredit.losses import get_policy_loss  # noqa: E402
+
+
+def _loss_inputs(seed, B=6, T=7, spread=0.3, uniform_adv=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = torch.arange(T)[None] < lengths[:, None]
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.05
+    lp = old + spread * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lp = torch.minimum(lp, torch.full_like(lp, -1e-3))
+    if uniform_adv:
+        adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    else:
+        adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.where(mask, adv, torch.zeros_like(adv))
+    return lp, old, adv, mask
+
+
+def _ours(name, lp, old, adv, mask, **cfg):
+    x = lp.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss(name)(x, old, adv, mask, cfg)
+    (gx,) = torch.autograd.grad(loss, x)
+    return loss.detach(), gx, metrics
+
+
+def _theirs(fn, lp, *args):
+    x = lp.clone().requires_grad_(True)
+    loss = fn(x, *args)
+    (gx,) = torch.autograd.grad(loss, x)
+    return loss.detach(), gx
+
+
+def verl_gspo(log_prob, old_log_prob, advantages, mask, clip_low, clip_high):
+    """verl core_algos.compute_policy_loss_gspo, aggregated seq-mean-token-mean (its recommended mode)."""
+    m = mask.to(log_prob.dtype)
+    nak = log_prob - old_log_prob
+    seq = (nak * m).sum(-1) / m.sum(-1).clamp(min=1)
+    log_s = torch.clamp(log_prob - log_prob.detach() + seq.detach().unsqueeze(-1), max=10.0)
+    s = torch.exp(log_s)
+    pg = torch.maximum(-advantages * s, -advantages * torch.clamp(s, 1 - clip_low, 1 + clip_high))
+    return ((pg * m).sum(-1) / m.sum(-1)).mean()
+
+
+def trl_sequence_grpo(log_prob, old_log_prob, advantages, mask, eps_low, eps_high):
+    """TRL GRPOTrainer._compute_loss, importance_sampling_level="sequence", loss_type="grpo"."""
+    m = mask.to(log_prob.dtype)
+    log_w = ((log_prob - old_log_prob) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    coef_1 = torch.exp(log_w.unsqueeze(-1))
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+
+
+def verl_cispo(log_prob, old_log_prob, advantages, mask, clip_low, clip_high):
+    """verl core_algos.compute_policy_loss_cispo, token-mean."""
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    pg = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach() * advantages * log_prob
+    m = mask.to(log_prob.dtype)
+    return (pg * m).sum() / m.sum()
+
+
+def trl_cispo(log_prob, old_log_prob, advantages, mask, eps_high, level="token"):
+    """TRL GRPOTrainer._compute_loss, loss_type="cispo" (normalised by the batch's tokens)."""
+    m = mask.to(log_prob.dtype)
+    log_w = log_prob - old_log_prob
+    if level == "sequence":
+        log_w = ((log_w * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    clamped = torch.clamp(torch.exp(log_w), max=eps_high).detach()
+    return (-clamped * advantages * log_prob * m).sum() / m.sum()
+
+
+@pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.2, 0.28)])  # GSPO paper's; wide
+@pytest.mark.parametrize("seed", range(4))
+def test_gspo_equals_verls_on_random_token_advantages(seed, clip):
+    lp, old, adv, mask = _loss_inputs(seed, spread=1e-3 if clip[0] < 1e-2 else 0.3)
+    ours, g_ours, _ = _ours("ppo", lp, old, adv, mask, importance_sampling_level="sequence", clip_low=clip[0],
+                            clip_high=clip[1], agg_mode="seq-mean-token-mean")
+    ref, g_ref = _theirs(verl_gspo, lp, old, adv, mask, *clip)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.where(mask, g_ours, 0.0), torch.where(mask, g_ref, 0.0), rtol=1e-10, atol=1e-12)
+    assert (g_ours[mask] != 0).any() and (g_ours[mask] == 0).any() or clip[0] > 0.1  # both branches
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gspo_equals_trls_sequence_level_with_sequence_advantages(seed):
+    lp, old, adv, mask = _loss_inputs(seed, spread=0.2, uniform_adv=True)
+    ours, g_ours, _ = _ours("ppo", lp, old, adv, mask, importance_sampling_level="sequence", clip_low=0.1,
+                            clip_high=0.12, agg_mode="seq-mean-token-mean")
+    ref, g_ref = _theirs(trl_sequence_grpo, lp, old, adv, mask, 0.1, 0.12)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.where(mask, g_ours, 0.0), torch.where(mask, g_ref, 0.0), rtol=1e-10, atol=1e-12)
+
+
+def test_gspo_ratio_is_the_sequences_and_clips_whole_sequences():
+    """Every token of a row sees the row's geometric-mean ratio; a row whose ratio is outside the
+    range (in the direction of its advantage) gets no gradient at all, a row inside gets s A_t on
+    each token (per-token credit kept)."""
+    T = 4
+    mask = torch.ones(2, T, dtype=torch.bool)
+    old = torch.full((2, T), -1.0, dtype=torch.float64)
+    lp = old + torch.tensor([[0.4, -0.4, 0.02, -0.02], [0.3, 0.3, 0.3, 0.3]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 2.0, -1.0, 0.5], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    _, g, m = _ours("ppo", lp, old, adv, mask, importance_sampling_level="sequence", clip_low=0.2, clip_high=0.2,
+                    agg_mode="token-sum")
+    # row 0: mean log-ratio 0, s = 1 (token ratios 1.49 / 0.67 would be clipped at token level)
+    torch.testing.assert_close(g[0], -adv[0])
+    # row 1: s = exp(0.3) > 1.2 with A > 0: clipped, the whole row's gradient is 0
+    assert torch.equal(g[1], torch.zeros(T, dtype=torch.float64))
+    assert m["ppo/ratio_max"] == pytest.approx(math.exp(0.3))
+    _, g_tok, _ = _ours("ppo", lp, old, adv, mask, clip_low=0.2, clip_high=0.2, agg_mode="token-sum")
+    assert not torch.allclose(g_tok[0], g[0])
+
+
+@pytest.mark.parametrize("clip", [(0.2, 0.28), (0.5, 4.0), (0.0, 0.0)])
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_equals_verls(seed, clip):
+    lp, old, adv, mask = _loss_inputs(seed, spread=0.8)
+    ours, g_ours, _ = _ours("cispo", lp, old, adv, mask, epsilon_low=clip[0], epsilon_high=1 + clip[1])
+    ref, g_ref = _theirs(verl_cispo, lp, old, adv, mask, *clip)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.where(mask, g_ours, 0.0), torch.where(mask, g_ref, 0.0), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("eps_high", [5.0, 1.3])
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_equals_trls(seed, eps_high, level):
+    lp, old, adv, mask = _loss_inputs(seed, spread=1.6)
+    cfg = {} if eps_high == 5.0 else {"epsilon_high": eps_high}  # 5.0: the default
+    ours, g_ours, m = _ours("cispo", lp, old, adv, mask, importance_sampling_level=level, **cfg)
+    ref, g_ref = _theirs(trl_cispo, lp, old, adv, mask, eps_high, level)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.where(mask, g_ours, 0.0), torch.where(mask, g_ref, 0.0), rtol=1e-10, atol=1e-12)
+    if level == "token":
+        assert m["cispo/clip_frac_high"] > 0  # the cap is exercised
+
+
+def test_cispo_keeps_a_truncated_gradient_where_ppo_has_none():
+    """A token with ratio e^3 and A > 0: PPO's clipped token has gradient 0; CISPO's is
+    -epsilon_high A (the weight truncated and held constant: d/dl of -sg(w) A l)."""
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    old = torch.tensor([[-4.0, -1.0]], dtype=torch.float64)
+    lp = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    adv = torch.tensor([[2.0, -1.0]], dtype=torch.float64)
+    _, g, m = _ours("cispo", lp, old, adv, mask, epsilon_high=5.0, agg_mode="token-sum")
+    torch.testing.assert_close(g, torch.tensor([[-5.0 * 2.0, 1.0]], dtype=torch.float64))
+    assert m["cispo/clip_frac_high"] == 0.5
+    _, g_ppo, _ = _ours("ppo", lp, old, adv, mask, agg_mode="token-sum")
+    assert float(g_ppo[0, 0]) == 0.0
+
+
+def test_loss_options_are_one_line_errors():
+    from tokencredit.losses import CISPOLossConfig, PPOLossConfig
+
+    with pytest.raises(ValueError, match="ppo importance_sampling_level: expected one of"):
+        PPOLossConfig(importance_sampling_level="seq")
+    with pytest.raises(ValueError, match="cispo epsilon_high: expected a number >= 1"):
+        CISPOLossConfig(epsilon_high=0.2)
+    with pytest.raises(ValueError, match="cispo epsilon_low"):
+        CISPOLossConfig(epsilon_low=1.5)
+
+
+# -- the losses in the trainers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", [dict(policy_loss="cispo", epsilon_high=4.0),
+                                  dict(policy_loss="ppo", importance_sampling_level="sequence", clip_low=3e-4,
+                                       clip_high=4e-4, agg_mode="seq-mean-token-mean")])
+def test_the_own_trainer_trains_with_gspo_and_cispo(tmp_path, loss):
+    from test_trainer import _cfg, _metrics, _trainer
+    from tokencredit.update import policy_loss_config
+
+    cfg = _cfg(tmp_path, "grpo+taco", steps=1)
+    for k, v in loss.items():
+        setattr(cfg.loss, k, v)
+    tr = _trainer(cfg)
+    name = loss["policy_loss"]
+    assert tr.policy_loss.name == name
+    lc = policy_loss_config(tr.policy_loss, cfg.loss)
+    assert {k: getattr(lc, k) for k in loss if k != "policy_loss"} == {k: v for k, v in loss.items() if k != "policy_loss"}
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    tr.train()
+    m = _metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert math.isfinite(m["loss/policy"]) and f"loss/{name}/ratio_mean" in m
+    assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if p.requires_grad)
+
+
+def test_a_loss_option_the_loss_lacks_is_a_one_line_error():
+    from tokencredit.config import LossConfig
+    from tokencredit.update import policy_loss_config
+
+    with pytest.raises(ValueError, match="loss.importance_sampling_level: policy loss 'sapo' has no such setting"):
+        policy_loss_config(get_policy_loss("sapo"), LossConfig(policy_loss="sapo", importance_sampling_level="sequence"))
+    with pytest.raises(ValueError, match="loss.epsilon_high: policy loss 'ppo' has no such setting"):
+        policy_loss_config(get_policy_loss("ppo"), LossConfig(epsilon_high=5.0))
+
+
+@pytest.mark.parametrize("args", [dict(loss_type="cispo", epsilon_high=5.0), dict(importance_sampling_level="sequence")])
+def test_trls_trainer_takes_trls_own_gspo_and_cispo_with_token_credit(tmp_path, args):
+    """TokenCreditGRPOTrainer leaves the loss to TRL: its own importance_sampling_level="sequence"
+    (GSPO) and loss_type="cispo" take the [B, T] credit."""
+    pytest.importorskip("trl")
+    import test_trl
+
+    trainer = test_trl._make(tmp_path, "grpo+taco", **args)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.records and all(r["out"]["advantages"].dim() == 2 for r in trainer.records)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("base,ours", [
+    ("gspo", dict(name="ppo", importance_sampling_level="sequence", clip_low=0.2, clip_high=0.28,
+                  agg_mode="seq-mean-token-mean")),
+    ("cispo", dict(name="cispo", epsilon_low=0.2, epsilon_high=1.28, agg_mode="token-mean")),
+])
+def test_verls_own_gspo_and_cispo_take_the_calibrated_advantages(base, ours):
+    """The verl plugin hands the calibrated advantages to verl's own loss (tokencredit.base_loss_mode):
+    verl's gspo and cispo then equal tokencredit's on the same advantages."""
+    pytest.importorskip("verl")
+    from test_verl import actor_config, grpo_advantages, policy_tensors, rollout, tcv
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    tlr, mask, uid, _ = rollout()
+    adv = grpo_advantages(tlr, mask, uid)
+    logp, old = policy_tensors(mask)
+    old = logp + (old - logp) * 0.3  # within GSPO's sequence clip for some rows
+    agg = ours["agg_mode"]
+    tcv.install_settings(tcv.settings_from_dict({"spec": "grpo+surprisal", "base_loss_mode": base}))
+    try:
+        x = logp.clone().requires_grad_(True)
+        loss, _ = get_policy_loss_fn("tokencredit")(old_log_prob=old, log_prob=x, advantages=adv, response_mask=mask,
+                                                    loss_agg_mode=agg, config=actor_config(), rollout_is_weights=None)
+        (g,) = torch.autograd.grad(loss, x)
+    finally:
+        tcv.install_settings(None)
+    from tokencredit import CreditBatch
+    from tokencredit.registry import get_method
+
+    info = get_method("surprisal")
+    cb = CreditBatch(response_mask=mask, rewards=torch.zeros(len(mask)), group_ids=torch.arange(len(mask)), logprobs=logp)
+    cal = info.fn(cb, adv, info.make_config(None), None).advantages
+    cfg = {k: v for k, v in ours.items() if k != "name"}
+    want, g_want, _ = _ours(ours["name"], logp, old, cal, mask.bool(), **cfg)
+    torch.testing.assert_close(loss.detach(), want.to(loss.dtype), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g * mask, g_want.to(g.dtype) * mask, rtol=1e-4, atol=1e-7)

@@ -290,6 +290,8 @@ OUT_OF_RANGE = {
     "loss.clip_low": st.one_of(_FLOAT_LT0, st.floats(min_value=1.0, allow_nan=False, allow_infinity=False)),
     "loss.clip_high": _FLOAT_LT0,
     "loss.dual_clip": st.floats(max_value=1.0, allow_nan=False, allow_infinity=False),
+    "loss.importance_sampling_level": st.sampled_from(["seq", "Token", "tokens"]),
+    "loss.epsilon_high": st.floats(max_value=0.999, allow_nan=False, allow_infinity=False),
     "loss.kl_coef": _FLOAT_LT0,
     "loss.kl_estimator": st.sampled_from(["k4", "kl", "K3"]),
     "critic.lr": _FLOAT_LE0,

@@ -68,7 +68,7 @@ FIELD_RANGES: Dict[str, _Range] = {
     "optim.lr": _GT0, "optim.weight_decay": _GE0, "optim.betas": _Range(0, 1, hi_open=True),
     "optim.warmup_steps": _GE0, "optim.max_grad_norm": _GT0, "optim.micro_batch_size": _GE1, "optim.ppo_epochs": _GE1,
     "loss.norm_constant": _GT0, "loss.clip_low": _Range(0, 1, hi_open=True), "loss.clip_high": _GE0,
-    "loss.dual_clip": _Range(1, lo_open=True), "loss.kl_coef": _GE0,
+    "loss.dual_clip": _Range(1, lo_open=True), "loss.kl_coef": _GE0, "loss.epsilon_high": _Range(1),
     "critic.lr": _GT0, "critic.steps": _GE1,
     "dapo.max_rounds": _GE1, "dapo.overlong_cache": _GE1,
     "log.eval_every": _GE1, "log.eval_samples": _GE0,
@@ -79,6 +79,7 @@ def _choices() -> Dict[str, list]:
     """The allowed values of the string fields that name something (looked up when validating)."""
     from .losses import AGG_MODES, list_policy_losses
     from .losses.kl import KL_KINDS
+    from .losses.policy import IS_LEVELS
     from .tasks import list_tasks
 
     return {
@@ -86,6 +87,7 @@ def _choices() -> Dict[str, list]:
         "loss.policy_loss": list_policy_losses(),
         "loss.agg_mode": list(AGG_MODES),
         "loss.kl_estimator": list(KL_KINDS),
+        "loss.importance_sampling_level": list(IS_LEVELS),
     }
 
 

@@ -110,7 +110,7 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    policy_loss: str = "ppo"  # ppo | sapo (tokencredit.losses registry)
+    policy_loss: str = "ppo"  # ppo | sapo | cispo (tokencredit.losses registry)
     # None = the policy loss's own default: token-mean for ppo (verl's default, DAPO's token-level
     # loss), seq-mean-token-mean for sapo (as verl hard-codes it)
     agg_mode: Optional[str] = None
@@ -118,6 +118,11 @@ class LossConfig:
     clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low (PPO)
     clip_high: float = 0.28  # DAPO clip-higher, also TACO's and STARE's recipe
     dual_clip: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
+    # TRL's importance_sampling_level: token | sequence (GSPO's length-normalised sequence ratio;
+    # the GSPO paper clips it at clip_low 3e-4, clip_high 4e-4); ppo and cispo
+    importance_sampling_level: str = "token"
+    # cispo: the cap on the importance weight (TRL's epsilon_high for loss_type="cispo"); None = 5.0
+    epsilon_high: Optional[float] = None
     kl_coef: float = 0.0  # TACO/DAPO recipe: no KL
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL to the reference)
 

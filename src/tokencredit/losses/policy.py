@@ -23,6 +23,12 @@ Ye et al. 2020)::
     l_t = -f(r) A
 
 then ``loss = aggregate(w * l, mask, agg_mode)`` (see :mod:`.aggregation`).
+
+``importance_sampling_level`` (TRL's option; ``ppo`` and ``cispo``): ``"token"`` uses the token
+ratio ``r_t``; ``"sequence"`` is GSPO's (Zheng et al. 2025) in its token form, as verl's
+``compute_policy_loss_gspo``: ``log s_t = sg[mean_t (l - l_old)] + l_t - sg[l_t]``, whose value is
+the sequence's length-normalised ratio ``s = exp(mean_t (l - l_old))`` on every token and whose
+gradient is ``s grad l_t`` (so token advantages still weight their own tokens).
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ __all__ = [
     "SAPOLossConfig",
     "ppo_loss",
     "sapo_loss",
+    "IS_LEVELS",
+    "importance_log_ratio",
 ]
 
 
@@ -179,6 +187,27 @@ def _check_number(owner: str, field: str, v, *, low=None, low_open=False, high=N
         raise ValueError(f"{owner} {field}: expected {expected}, got {v!r}")
 
 
+#: importance_sampling_level: one ratio per token, or GSPO's one per sequence
+IS_LEVELS = ("token", "sequence")
+
+
+def importance_log_ratio(lp: Tensor, old: Tensor, mask: Tensor, level: str, clamp: float) -> Tensor:
+    """The log importance ratio of each valid token (``lp``, ``old`` cleaned of padding): the
+    token's ``l - l_old``, or (``"sequence"``) GSPO's ``sg[mean_t (l - l_old)] + l_t - sg[l_t]``;
+    clamped to ``[-clamp, clamp]``."""
+    log_ratio = lp - old
+    if level == "sequence":
+        n = mask.sum(-1, keepdim=True).clamp_min(1).to(lp.dtype)
+        seq = log_ratio.detach().sum(-1, keepdim=True) / n
+        log_ratio = lp - lp.detach() + seq
+    return log_ratio.clamp(-clamp, clamp)
+
+
+def check_is_level(owner: str, level) -> None:
+    if level not in IS_LEVELS:
+        raise ValueError(f"{owner} importance_sampling_level: expected one of {list(IS_LEVELS)}, got {level!r}")
+
+
 # -- ppo -----------------------------------------------------------------------------------
 
 
@@ -190,8 +219,12 @@ class PPOLossConfig:
     agg_mode: str = "token-mean"  # verl default; DAPO token-level loss
     norm_constant: Optional[float] = None  # only for seq-mean-token-sum-norm; None = padded length T
     log_ratio_clamp: float = 20.0  # verl clamps l - l_old to [-20, 20] before exp
+    # TRL's importance_sampling_level: "token" (PPO) or "sequence" (GSPO's ratio; the GSPO paper
+    # clips it at 3e-4 / 4e-4 and aggregates seq-mean-token-mean)
+    importance_sampling_level: str = "token"
 
     def __post_init__(self):
+        check_is_level("ppo", self.importance_sampling_level)
         _check_number("ppo", "clip_low", self.clip_low, low=0, high=1, high_open=True, expected="a number in [0, 1)")
         _check_number("ppo", "clip_high", self.clip_high, low=0, expected="a number >= 0")
         if self.dual_clip is not None:
@@ -211,7 +244,7 @@ def ppo_loss(logprobs, old_logprobs, advantages, response_mask, config: Optional
              loss_weights=None) -> Tuple[Tensor, Dict[str, float]]:
     cfg = _make_config("ppo", PPOLossConfig, config)
     mask, lp, old, adv, w = _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights)
-    log_ratio = (lp - old).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    log_ratio = importance_log_ratio(lp, old, mask, cfg.importance_sampling_level, cfg.log_ratio_clamp)
     ratio = log_ratio.exp()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
