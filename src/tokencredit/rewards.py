@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .grading import (
     _TRL_EXTRA_KWARGS,  # noqa: F401 (the keyword arguments the caller adds)
@@ -310,8 +310,10 @@ def _per_sample(fn: Callable, reward_range, completions, examples, **_: Any) -> 
 
 def _checked(values: Any, n: int) -> list:
     """A function's return value as ``n`` entries: a float, None, or a failure marker."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RewardValueError(f"expected a list of {n} floats or None, got {type(values).__name__} {values!r:.60}")
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
+        # a dict is refused, never read by its keys (verl's {"score": ...} belongs to verl's compute_score)
+        raise RewardValueError(f"expected a list of {n} floats (or None), one per completion, got {type(values).__name__} "
+                               f"{values!r:.60}")
     values = list(values)
     if len(values) != n:
         raise RewardValueError(f"returned {len(values)} values for {n} completions (expected one per completion)")
@@ -329,6 +331,9 @@ def _checked(values: Any, n: int) -> list:
 
 def _worker_main(conn) -> None:
     """The worker's loop: ("load", key, ref, sys_path, cwd) and ("call", key, kwargs, n)."""
+    # a session (and process group) of its own: whatever a reward function starts (a plain
+    # fork(), a subprocess it waits on) is in it, and the group is killed with the worker
+    os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     funcs: Dict[Any, Callable] = {}
     while True:
@@ -404,8 +409,10 @@ class _Worker:
                 return None
             return self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
-            # the worker closed its end: it has ended (os._exit, a crash); collect its exit code
-            # (the wait returns at once for a process that has exited; one that has not is killed)
+            # the worker closed its end: it has ended (os._exit, a crash); its process group goes
+            # first (what it started must not outlive it), then its exit code is collected (the
+            # wait returns at once for a process that has exited; one that has not is killed)
+            _kill_group(self.proc)
             self.proc.join(timeout=10.0)
             code = self.proc.exitcode
             self.kill()
@@ -415,8 +422,21 @@ class _Worker:
             raise
 
 
+def _kill_group(proc) -> None:
+    """SIGKILL to the worker's process group (the worker leads it: ``os.setsid``), so that the
+    processes a reward function started end with it. Sent before the worker is reaped: while
+    any member lives, the group's id cannot be another process's."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group has ended already
+        pass
+
+
 def _kill(proc, conn) -> None:
     try:
+        _kill_group(proc)
         if proc.is_alive():
             proc.kill()
         proc.join()
@@ -443,6 +463,7 @@ class RewardScores:
     all_failed: List[bool]  # function f failed on every completion of the batch
     first_failure: List[Optional[str]]  # function f's first failure: "row R: Exception: message"
     extra: Dict[str, float] = field(default_factory=dict)  # log_metric values
+    all_none: List[bool] = field(default_factory=list)  # function f returned None for every completion
 
 
 class RewardRunner:
@@ -461,6 +482,9 @@ class RewardRunner:
         self.max_failing_steps = int(max_failing_steps)
         self._worker = _Worker()
         self._streak = [0] * len(self.funcs)
+        self._worked = [False] * len(self.funcs)  # scored (did not fail) on a completion of some step
+        self._steps = 0
+        self._warned_none: set = set()
         self._logged: set = set()
 
     @property
@@ -504,7 +528,7 @@ class RewardRunner:
         F = len(self.funcs)
         values = [[math.nan] * n for _ in range(F)]
         failed = {"error": 0, "timeout": 0}
-        failed_per_func, all_failed, first = [0] * F, [False] * F, [None] * F
+        failed_per_func, all_failed, first, all_none = [0] * F, [False] * F, [None] * F, [False] * F
         extra: Dict[str, float] = {}
         for fi, f in enumerate(self.funcs):
             if f.per_sample:
@@ -523,38 +547,54 @@ class RewardRunner:
                 self._log_once(f, status, a, b)
                 continue
             extra.update({f"rewards/extra/{k}": v for k, v in (b or {}).items()})
-            bad = 0
+            bad = none = 0
             for i, v in enumerate(a):
                 if isinstance(v, tuple):
                     bad += 1
                     if first[fi] is None:
                         first[fi] = f"row {_row_id(examples, i)}: {v[1]}"
                         self._log_once(f, "error", v[1], None)
-                elif v is not None:
+                elif v is None:
+                    none += 1
+                else:
                     values[fi][i] = float(v)
             failed["error"] += bad
             failed_per_func[fi] = bad
             all_failed[fi] = n > 0 and bad == n
+            all_none[fi] = n > 0 and none == n
         total = []
         for i in range(n):
             col = [(values[fi][i], self.funcs[fi].weight) for fi in range(F)]
             total.append(sum(v * w for v, w in col if not math.isnan(v)))
-        return RewardScores(self.names, values, total, failed, failed_per_func, all_failed, first, extra)
+        return RewardScores(self.names, values, total, failed, failed_per_func, all_failed, first, extra, all_none)
 
-    def end_step(self, step: int, batches: Sequence[RewardScores]) -> None:
-        """Record one training step (its batches); a function that failed on every completion of
-        ``max_failing_steps`` consecutive steps raises :class:`RewardFailure`."""
+    def end_step(self, step: int, batches: Sequence[RewardScores], last: bool = False) -> None:
+        """Record one training step (its batches). A function that failed on every completion of
+        ``max_failing_steps`` consecutive steps raises :class:`RewardFailure`, and so does one that
+        failed on every completion of every step of the run at its ``last`` step (a run shorter
+        than ``max_failing_steps`` whose reward never worked is an error, not a result). A function
+        that returned None for every completion of a step is warned about, once."""
+        self._steps += 1
         for fi, f in enumerate(self.funcs):
-            if batches and all(b.all_failed[fi] for b in batches):
-                self._streak[fi] += 1
-            else:
-                self._streak[fi] = 0
+            failed_all = bool(batches) and all(b.all_failed[fi] for b in batches)
+            self._streak[fi] = self._streak[fi] + 1 if failed_all else 0
+            self._worked[fi] = self._worked[fi] or not failed_all
+            why = None
             if self._streak[fi] >= self.max_failing_steps:
-                last = next((b.first_failure[fi] for b in reversed(batches) if b.first_failure[fi]), "?")
-                raise RewardFailure(
-                    f"reward {f.spec or f.name}: failed on every completion of {self._streak[fi]} consecutive steps "
-                    f"(reward.max_failing_steps {self.max_failing_steps}), the run stops at step {step}; {last}"
-                )
+                why = (f"failed on every completion of {self._streak[fi]} consecutive steps "
+                       f"(reward.max_failing_steps {self.max_failing_steps})")
+            elif last and not self._worked[fi]:
+                why = (f"failed on every completion of every step of the run ({self._steps} step(s), fewer than "
+                       f"reward.max_failing_steps {self.max_failing_steps})")
+            if why is not None:
+                cause = next((b.first_failure[fi] for b in reversed(batches) if b.first_failure[fi]), "?")
+                raise RewardFailure(f"reward {f.spec or f.name}: {why}, the run stops at step {step}; {cause}")
+            if batches and all(b.all_none[fi] for b in batches if b.all_none) and f.name not in self._warned_none:
+                self._warned_none.add(f.name)
+                logger.warning(
+                    "reward %s: returned None for every completion of step %d (None is \"not applicable\", as in TRL: "
+                    "these completions get no reward from it, and none at all where it is the only function); "
+                    "warned once", f.name, step)
 
     def _log_once(self, f: RewardFunc, kind: str, message: str, tb: Optional[str]) -> None:
         key = (f.name, kind, message.split(":", 1)[0])

@@ -325,8 +325,9 @@ class Trainer:
         """Rollouts for one step (collect.collect; DAPO's dynamic sampling regenerates, bounded, to fill)."""
         col = collect(self._next_examples, self._generate, self._score, self.cfg.rollout, self.cfg.dapo)
         # a reward function that failed on every completion of reward.max_failing_steps steps in a
-        # row stops the run here (RewardFailure, one line naming it, the row and the exception)
-        self.rewards.end_step(self.step + 1, [p["scores"] for p in col["parts"]])
+        # row, or of every step at the run's last step, stops the run here (RewardFailure, one
+        # line naming it, the row and the exception)
+        self.rewards.end_step(self.step + 1, [p["scores"] for p in col["parts"]], last=self.step + 1 >= self.cfg.steps)
         return col
 
     def _warn_clipped(self, metrics: Dict[str, float]) -> None:

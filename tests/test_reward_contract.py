@@ -1,0 +1,263 @@
+"""User reward code and what a run makes of it (issue 29, findings 6, 7, 8, 10, 12).
+
+* 6: the processes a reward function starts (a plain ``fork()``, a subprocess it waits on) end
+  with its worker: after the run, after a timeout kill, after a run that exits 2.
+* 7: a reward module is imported in the worker process, never in the trainer's; ``eval --run`` on
+  a folder whose config names reward code says which code it would run and refuses without
+  ``--trust-remote-code``.
+* 8: one reward contract on a verl-layout parquet for ``train``, the TRL subclass and the verl
+  adapter: the same keyword arguments for the same rows.
+* 10: a reward that fails every call of a run shorter than ``reward.max_failing_steps`` stops it
+  (exit 2); all-None is warned about, a dict is refused, ``eval/greedy_acc`` is an accuracy, the
+  ``numeric`` reward reads fractions.
+* 12: TRL's metric names, each metric once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tokencredit.datasource import Example
+from tokencredit.grading import answers_match, extract_final_answer, numeric_accuracy
+from tokencredit.rewards import RewardFailure, RewardRunner, load_reward_funcs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- reward functions, imported by name in the worker process ("test_reward_contract:NAME") -----
+
+
+def returns_dict(completions, **kwargs):
+    return {"score": 1.0, "acc": 0.0, "extra": 2.0}
+
+
+def all_none(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def always_raises(completions, **kwargs):
+    raise RuntimeError("grader down")
+
+
+def _examples(extra=None):
+    rows = [{"answer": "3", **(extra or {})}, {"answer": "4", **(extra or {})}]
+    exs = [Example(id=f"r{i}", question=f"Q{i}", answer=r["answer"], messages=({"role": "user", "content": f"Q{i}"},),
+                   prompt=f"Q{i}", row=r) for i, r in enumerate(rows)]
+    return [exs[0], exs[0], exs[1]]
+
+
+def _score(runner, completions=("x 3", "y", "z 4"), extra=None, step=1):
+    exs = _examples(extra)
+    return runner.score(list(completions), [[1], [2], [3]], exs, [e.prompt for e in exs],
+                        state={"global_step": step, "max_steps": 10})
+
+
+def _data_file(tmp_path, **extra):
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), **extra} for a in range(3) for b in range(3)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _tiny_flags(tmp_path, data):
+    return ["--model.name", "tiny", "--data.path", str(data), "--data.eval-fraction", "0.2", "--output-dir",
+            str(tmp_path / "run"), "--rollout.prompts-per-step", "2", "--rollout.samples-per-prompt", "2",
+            "--rollout.max-new-tokens", "4", "--optim.micro-batch-size", "4", "--log.eval-samples", "0",
+            "--log.no-progress", "--log.no-eval-at-start", "--save-every", "1"]
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch):
+    """The command line with the tiny random model in place of the named one."""
+    import tokencredit.models as models
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
+
+
+def _cli(argv):
+    """main(argv) -> (exit code, stderr)."""
+    from tokencredit.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+@pytest.fixture
+def runner_of():
+    made = []
+
+    def make(*specs, timeout_s=5.0, max_failing_steps=2):
+        r = RewardRunner(load_reward_funcs(list(specs)), timeout_s=timeout_s, max_failing_steps=max_failing_steps)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+# -- 10. values a run must not misread ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, gold, match",
+    [
+        ("The answer is 3/4.", "0.75", True),
+        ("The answer is 3/4.", "3", False),  # was read as 3
+        ("The answer is 3 / 4.", "3", False),
+        ("So \\boxed{3/4}", "3/4", True),
+        ("So \\boxed{\\frac{3}{4}}", "0.75", True),
+        ("6/8", "3/4", True),
+        ("What is 6/3? 6/3 = 2", "2", True),  # a restated fraction is an operand, as 6 / 3 was
+        ("on 1/2/2020", "1", False),  # a date is no number
+        ("The answer is 5/0.", "5", False),
+    ],
+)
+def test_numeric_reads_fractions_or_refuses_them(text, gold, match):
+    assert answers_match(extract_final_answer(text), gold) is match
+    assert numeric_accuracy([text], answer=[gold]) == [1.0 if match else 0.0]
+
+
+def test_a_reward_returning_a_dict_is_refused_not_read_by_its_keys(runner_of):
+    s = _score(runner_of("test_reward_contract:returns_dict"))
+    assert s.all_failed == [True] and s.failed["error"] == 3
+    assert "expected a list of 3 floats (or None), one per completion, got dict" in s.first_failure[0]
+    assert "\n" not in s.first_failure[0]
+
+
+def test_a_reward_returning_none_for_every_completion_is_warned_once(runner_of, caplog):
+    r = runner_of("test_reward_contract:all_none")
+    with caplog.at_level(logging.WARNING, logger="tokencredit.rewards"):
+        for step in (1, 2):
+            r.end_step(step, [_score(r, step=step)])
+    lines = [m for m in caplog.messages if "all_none" in m]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "returned None for every completion of step 1" in lines[0]
+
+
+def test_every_call_failing_in_a_run_shorter_than_max_failing_steps_is_an_error(runner_of):
+    r = runner_of("test_reward_contract:always_raises", max_failing_steps=5)
+    with pytest.raises(RewardFailure, match="failed on every completion of every step of the run") as e:
+        r.end_step(1, [_score(r)], last=True)
+    assert "\n" not in str(e.value) and "grader down" in str(e.value)
+    # a function that scored once in the run is no error at its end
+    r2 = runner_of("test_reward_contract:all_none", max_failing_steps=5)
+    r2.end_step(1, [_score(r2)], last=True)
+
+
+def test_a_run_shorter_than_max_failing_steps_whose_reward_always_fails_exits_2(tmp_path, tiny_cli):
+    data = _data_file(tmp_path)
+    code, err = _cli(["train", *_tiny_flags(tmp_path, data), "--reward.funcs", "test_reward_contract:always_raises",
+                      "--steps", "1", "--reward.max-failing-steps", "2"])
+    assert code == 2, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("tokencredit train:")]
+    assert "always_raises: failed on every completion of every step of the run (1 step(s)" in line
+    assert not (tmp_path / "run" / "final").exists()
+
+
+# -- 6. the processes a reward starts end with its worker -----------------------------------------
+
+
+def _sleep_forever_in_child() -> int:
+    pid = os.fork()
+    if pid == 0:  # the child: sleeps until killed, never returns into the worker's loop
+        try:
+            while True:
+                time.sleep(0.05)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def forks_a_sleeper(completions, pidfile, **kwargs):
+    with open(pidfile[0], "a") as f:
+        f.write(f"{_sleep_forever_in_child()}\n")
+    return [1.0] * len(completions)
+
+
+def forks_then_raises(completions, pidfile, **kwargs):
+    forks_a_sleeper(completions, pidfile)
+    raise RuntimeError("grader down")
+
+
+def waits_on_a_subprocess(completions, pidfile, **kwargs):
+    p = subprocess.Popen(["sleep", "1000"])
+    with open(pidfile[0], "a") as f:
+        f.write(f"{p.pid}\n")
+    p.wait()  # passes the call's budget: the call is ended
+    return [1.0] * len(completions)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie has ended (its parent, gone too, no longer reaps it)
+
+
+def _pids(pidfile: Path):
+    return [int(x) for x in pidfile.read_text().split()] if pidfile.exists() else []
+
+
+def _all_end(pids, within_s=10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(_running(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def pidfile(tmp_path):
+    path = tmp_path / "pids.txt"
+    yield path
+    for pid in _pids(path):  # never leave a process behind, whatever the test found
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, 9)
+
+
+def test_a_process_forked_by_a_reward_ends_with_the_run(runner_of, pidfile):
+    r = runner_of("test_reward_contract:forks_a_sleeper")
+    s = _score(r, extra={"pidfile": str(pidfile)})
+    assert s.values == [[1.0, 1.0, 1.0]]
+    (pid,) = _pids(pidfile)
+    assert _running(pid)  # alive while the run goes on (the worker is reused)
+    r.close()
+    assert _all_end([pid])
+
+
+def test_a_subprocess_of_a_call_past_its_budget_ends_with_it(runner_of, pidfile):
+    r = runner_of("test_reward_contract:waits_on_a_subprocess", timeout_s=0.3)
+    s = _score(r, extra={"pidfile": str(pidfile)})
+    assert s.failed["timeout"] == 3
+    (pid,) = _pids(pidfile)
+    assert _all_end([pid])  # the worker's process group was killed with it
+
+
+def test_a_process_forked_by_a_reward_ends_when_the_run_exits_2(tmp_path, tiny_cli, pidfile):
+    data = _data_file(tmp_path, pidfile=str(pidfile))
+    code, err = _cli(["train", *_tiny_flags(tmp_path, data), "--reward.funcs", "test_reward_contract:forks_then_raises",
+                      "--steps", "3", "--reward.max-failing-steps", "1"])
+    assert code == 2 and "grader down" in err, err
+    pids = _pids(pidfile)
+    assert pids and _all_end(pids)
