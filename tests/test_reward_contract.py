@@ -261,3 +261,32 @@ def test_a_process_forked_by_a_reward_ends_when_the_run_exits_2(tmp_path, tiny_c
     assert code == 2 and "grader down" in err, err
     pids = _pids(pidfile)
     assert pids and _all_end(pids)
+
+
+def test_greedy_acc_is_an_accuracy_and_the_weighted_reward_is_eval_reward():
+    """Two functions (a 0/1 accuracy first, a length penalty weighted in): greedy_acc is the share
+    of rows the first function calls correct (reward >= 1), not the weighted sum's mean."""
+    import torch
+
+    from tokencredit.evaluation import evaluate_split
+    from tokencredit.rewards import RewardScores
+
+    exs = _examples()[1:]  # two rows
+    acc, pen = [1.0, 0.0], [-0.25, -0.75]
+
+    def generate(part, num_samples, temperature, seed=None):
+        n = len(part) * num_samples
+        return type("RB", (), {"texts": ["t"] * n, "prompt_index": torch.arange(len(part)).repeat_interleave(num_samples)})()
+
+    def reward_scores(rb, part):
+        n = len(rb.texts)
+        a, p = (acc * n)[:n], (pen * n)[:n]
+        return RewardScores(["acc", "pen"], [a, p], [x + 0.5 * y for x, y in zip(a, p)], {"error": 0, "timeout": 0},
+                            [0, 0], [False, False], [None, None])
+
+    m, samples = evaluate_split(exs, generate=generate, reward_scores=reward_scores, k=2, temperature=1.0,
+                                seed=lambda s: s, chunk=16, n_funcs=2)
+    assert m["eval/greedy_acc"] == 0.5  # one of two rows correct
+    assert m["eval/reward"] == pytest.approx(((1.0 - 0.125) + (0.0 - 0.375)) / 2)  # the weighted sum, as it was
+    assert m["eval/mean@2"] == 0.5
+    assert [s["reward"] for s in samples] == [pytest.approx(0.875), pytest.approx(-0.375)]

@@ -1,7 +1,9 @@
 """The own trainer's evaluation and what it writes under ``<run>/eval``.
 
-* :func:`evaluate_split`: greedy accuracy (the mean reward of greedy completions) and mean@k on
-  the eval split, with the rewards' failure counts; the greedy completions as rows.
+* :func:`evaluate_split`: greedy accuracy (the share of rows whose greedy completion is correct:
+  the first reward function gives it at least :data:`CORRECT_AT`), the mean weighted reward of
+  the greedy completions and mean@k on the eval split, with the rewards' failure counts; the
+  greedy completions as rows.
 * :func:`write_samples`: those rows as ``eval/samples_step_XXXXXXXX.jsonl``.
 * :func:`rollouts_record`: the last training batch with every signal, its credit and the credit
   spec's settings and state, as ``eval/rollouts_step_XXXXXXXX.pt`` holds it (read by
@@ -17,12 +19,25 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
-__all__ = ["evaluate_split", "rollouts_record", "write_samples"]
+__all__ = ["CORRECT_AT", "evaluate_split", "rollouts_record", "write_samples"]
+
+#: a completion is correct (``eval/greedy_acc``, ``eval/mean@k``) when the first reward function
+#: (the accuracy one: order it first, as TRL's examples do) gives it at least this much: 1.0 of a
+#: 0/1 grader, of verl's -1/1 one; a partial credit below it is not an accuracy
+CORRECT_AT = 1.0
+
+
+def _correct(sc, i: int) -> float:
+    v = sc.values[0][i] if sc.values else float("nan")
+    return 1.0 if v >= CORRECT_AT else 0.0  # NaN (None, failed) is not correct
 
 
 def evaluate_split(examples, *, generate: Callable, reward_scores: Callable, k: int, temperature: float,
                    seed: Callable[[int], int], chunk: int, n_funcs: int) -> Tuple[Dict[str, float], List[Dict[str, Any]]]:
-    """The eval metrics and greedy rows of ``examples``, ``chunk`` prompts per generate call.
+    """The eval metrics and greedy rows of ``examples``, ``chunk`` prompts per generate call:
+    ``eval/greedy_acc`` (the share of rows whose greedy completion is correct, :data:`CORRECT_AT`),
+    ``eval/reward`` (the mean weighted reward of the greedy completions) and ``eval/mean@k`` (the
+    share of correct completions among k samples a row).
 
     ``generate(examples, num_samples=, temperature=, seed=None)`` samples; ``reward_scores(rb,
     examples)`` scores (the guarded reward calls of training); ``seed(s)`` is the private seed of
@@ -32,7 +47,7 @@ def evaluate_split(examples, *, generate: Callable, reward_scores: Callable, k: 
     (``n_funcs``), each one's ``eval/rewards/NAME/mean`` and ``/std`` too."""
     from .reward_metrics import reward_metrics
 
-    greedy, meank, samples = [], [], []
+    greedy, greedy_correct, meank, samples = [], [], [], []
     failed = {"error": 0, "timeout": 0}
     greedy_scores, greedy_groups = [], []
 
@@ -50,12 +65,13 @@ def evaluate_split(examples, *, generate: Callable, reward_scores: Callable, k: 
         greedy_groups.append(rb.prompt_index.tolist())
         for i, text in enumerate(rb.texts):
             greedy.append(sc.total[i])
+            greedy_correct.append(_correct(sc, i))
             samples.append({"id": part[i].id, "question": part[i].question, "answer": part[i].answer, "greedy": text, "reward": greedy[-1]})
         if k > 0:
             rbk = generate(part, num_samples=k, temperature=temperature, seed=seed(s))
-            meank.extend(score(rbk, part).total)
-    # greedy_acc: the mean (weighted) reward of the greedy completions, an accuracy for a 0/1 reward
-    metrics = {"eval/greedy_acc": float(np.mean(greedy))}
+            sck = score(rbk, part)
+            meank.extend(_correct(sck, i) for i in range(len(rbk.texts)))
+    metrics = {"eval/greedy_acc": float(np.mean(greedy_correct)), "eval/reward": float(np.mean(greedy))}
     if n_funcs > 1:
         metrics.update({name: v for name, v in reward_metrics(greedy_scores, greedy_groups, prefix="eval/").items()
                         if name.startswith("eval/rewards/")})
