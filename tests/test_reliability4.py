@@ -223,3 +223,97 @@ def test_resume_on_a_changed_data_file_is_refused_like_a_changed_setting(tmp_pat
     monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
     assert _cli(["train", "--steps", "3", "--resume"] + flags)[0] == 0
     assert _steps(out) == [1.0, 2.0, 3.0]
+
+
+# == 9. eval scores the whole file it is given, says how many rows, takes a LoRA export ======
+
+EVAL_FLAGS = shlex.split(
+    "--model.name tiny --rollout.max-new-tokens 4 --log.eval-samples 0 --log.no-progress"
+)
+
+
+def _eval(capsys, argv):
+    """`tokencredit eval ...` -> (exit code, its JSON output, its stderr)."""
+    code, err = _cli(["eval"] + argv)
+    out = capsys.readouterr().out
+    return code, (json.loads(out[out.index("{"):]) if code == 0 else None), err
+
+
+def _samples(folder: Path):
+    (f,) = (folder / "eval").glob("samples_step_*.jsonl")
+    return [json.loads(line) for line in f.read_text().splitlines()]
+
+
+def test_eval_scores_every_row_of_the_given_file_and_says_how_many(tmp_path, tiny_cli, capsys):
+    rows = tmp_path / "rows.jsonl"
+    _write_jsonl(rows, _qa(6))
+    code, metrics, err = _eval(capsys, ["--data.path", str(rows), "--output-dir", str(tmp_path / "e1")] + EVAL_FLAGS)
+    assert code == 0, err
+    assert metrics["eval/rows"] == 6 and len(_samples(tmp_path / "e1")) == 6  # not a 10% hold-out of 1 row
+    assert f"eval: scoring all 6 rows of {str(rows)!r}" in err.splitlines()
+    big = tmp_path / "eval.jsonl"
+    _write_jsonl(big, _qa(40, 10))
+    flags = ["--data.path", str(rows), "--data.eval-path", str(big)] + EVAL_FLAGS
+    code, metrics, err = _eval(capsys, flags + ["--output-dir", str(tmp_path / "e2")])
+    assert code == 0, err
+    assert metrics["eval/rows"] == 40 and len(_samples(tmp_path / "e2")) == 40  # not task.n_eval's 32
+    assert f"eval: scoring all 40 rows of {str(big)!r}" in err.splitlines()
+    code, metrics, err = _eval(capsys, flags + ["--task.n-eval", "5", "--output-dir", str(tmp_path / "e3")])
+    assert code == 0, err
+    assert metrics["eval/rows"] == 5 and len(_samples(tmp_path / "e3")) == 5  # a cap the user asked for, said
+    assert f"eval: scoring 5 of 40 rows of {str(big)!r} (task.n_eval 5)" in err.splitlines()
+
+
+def test_eval_of_a_run_says_how_many_rows_it_scored(tmp_path, tiny_cli, capsys):
+    run = tmp_path / "run"
+    assert _cli(["train", "--steps", "1", "--output-dir", str(run)] + TINY_FLAGS)[0] == 0
+    capsys.readouterr()
+    code, metrics, err = _eval(capsys, ["--run", str(run)])
+    assert code == 0, err
+    assert metrics["eval/rows"] == 2
+    assert "eval: scoring 2 rows of task 'add1' (task.n_eval 2)" in err.splitlines()
+    assert json.loads((tmp_path / "run-eval" / "eval_step_00000001.json").read_text())["eval/rows"] == 2
+
+
+@pytest.fixture(scope="module")
+def lora_export(tmp_path_factory):
+    """A LoRA run's export (a peft adapter folder over a base model folder), and the base."""
+    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.export import export_run
+    from tokencredit.trainer import Trainer
+
+    d = tmp_path_factory.mktemp("lora")
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    model.save_pretrained(d / "base")
+    tok.save_pretrained(d / "base")
+    cfg = TrainConfig(
+        credit="grpo", steps=2, save_every=1, output_dir=str(d / "run"),
+        model=ModelConfig(name=str(d / "base"), lora=True, lora_r=2, lora_alpha=4),
+        task=TaskConfig(name="add1", n_train=8, n_eval=1, reward_fn="test_reliability4:crc_reward"),
+        rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=6, temperature=1.0),
+        optim=OptimConfig(lr=5e-2, micro_batch_size=4),
+        log=LogConfig(eval_every=100, eval_samples=0, progress=False, eval_at_start=False, save_rollouts=False),
+    )
+    Trainer(cfg).train()
+    return Path(export_run(str(d / "run"), str(d / "adapter"))), d / "base", d / "run"
+
+
+def test_eval_takes_a_lora_export_folder_that_from_pretrained_loads(tmp_path, lora_export, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokencredit.models import is_lora, resolve_model
+
+    adapter, base, run = lora_export
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    model, _ = resolve_model(str(adapter))
+    assert is_lora(model)
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    want = AutoModelForCausalLM.from_pretrained(adapter)(ids).logits  # what from_pretrained loads
+    assert torch.allclose(model(ids).logits, want)
+    assert not torch.allclose(AutoModelForCausalLM.from_pretrained(base)(ids).logits, want)  # the adapter is in it
+    code, metrics, err = _eval(capsys, ["--model.name", str(adapter), "--task.name", "add1", "--task.n-eval", "2",
+                                        "--output-dir", str(tmp_path / "e"), "--rollout.max-new-tokens", "4",
+                                        "--log.eval-samples", "0", "--log.no-progress"])
+    assert code == 0, err
+    assert metrics["eval/rows"] == 2

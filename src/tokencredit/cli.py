@@ -81,6 +81,35 @@ def _train(args: argparse.Namespace, rest: List[str]) -> int:
     print("last step: " + ", ".join(f"{k}={last[k]:.3f}" for k in keys))
     return 0
 
+def _eval_data(cfg, rest: List[str]):
+    """``eval``'s own data (``--data.path``): every row of the eval file (of ``data.path`` itself
+    when it has no eval split), at most ``task.n_eval`` only when that is asked for. None for a
+    built-in task."""
+    if cfg.data.path is None:
+        return None
+    from .config import TaskConfig
+    from .tasks import make_data_task
+
+    asked = cfg.task.n_eval != TaskConfig().n_eval or any(a.split("=")[0] in ("--task.n-eval", "--task.n_eval") for a in rest)
+    return make_data_task(cfg.data, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval if asked else sys.maxsize,
+                          hold_out=False)
+
+
+def _eval_rows_line(task, cfg) -> str:
+    """How many rows ``eval`` scores, of how many, and why not all."""
+    n, src = len(task.eval), task.eval_source
+    if src is None:
+        return f"eval: scoring {n} rows of task {task.name!r} (task.n_eval {cfg.task.n_eval})"
+    if src["held_out"]:
+        from .datasource import DATA_EVAL_FRACTION
+
+        frac = cfg.data.eval_fraction if cfg.data.eval_fraction is not None else DATA_EVAL_FRACTION
+        return f"eval: scoring {n} of {src['of']} rows of {src['where']!r} (held out by data.eval_fraction {frac})"
+    if n == src["of"]:
+        return f"eval: scoring all {n} rows of {src['where']!r}"
+    return f"eval: scoring {n} of {src['of']} rows of {src['where']!r} (task.n_eval {cfg.task.n_eval})"
+
+
 
 def _eval(args: argparse.Namespace, rest: List[str]) -> int:
     """Evaluate a run's latest intact checkpoint (``--run``), or the model a config names.
@@ -100,8 +129,10 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
     if not args.run:
         if args.output_dir:
             rest = rest + ["--output-dir", args.output_dir]
-        trainer = Trainer(load_config(args.config, rest))
-        metrics = trainer.evaluate()
+        cfg = load_config(args.config, rest).validate()
+        trainer = Trainer(cfg, task=_eval_data(cfg, rest))
+        print(_eval_rows_line(trainer.task, cfg), file=sys.stderr)
+        metrics = {**trainer.evaluate(), "eval/rows": len(trainer.task.eval)}
         print(json.dumps(metrics, indent=2))
         return 0
     if rest or args.config:
@@ -122,7 +153,8 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
     trainer = Trainer(cfg)
     trainer.load_state_dict(state)
     print(f"evaluating {ck}", file=sys.stderr)
-    metrics = trainer.evaluate()
+    print(_eval_rows_line(trainer.task, cfg), file=sys.stderr)
+    metrics = {**trainer.evaluate(), "eval/rows": len(trainer.task.eval)}
     out.mkdir(parents=True, exist_ok=True)
     result = out / f"eval_step_{trainer.step:08d}.json"
     result.write_text(json.dumps({"run": str(run), "checkpoint": str(ck), "step": trainer.step, **metrics}, indent=2) + "\n")

@@ -320,6 +320,11 @@ class OwnData:
     answer_column: Optional[str]
     columns: List[str]
     where: str
+    #: the eval rows there were before ``n_eval`` (of ``eval_where``), and whether they are a
+    #: hold-out of ``data.path``'s rows (``data.eval_fraction``)
+    eval_of: int = 0
+    eval_where: str = ""
+    held_out: bool = False
 
 
 def _check_columns(rows: Sequence[Mapping[str, Any]], where: str, prompt_column: str, answer_column: Optional[str]) -> Optional[str]:
@@ -335,10 +340,12 @@ def _check_columns(rows: Sequence[Mapping[str, Any]], where: str, prompt_column:
     return next((c for c in _ANSWER_GUESSES if c != prompt_column and _has_column(rows, c)), None)
 
 
-def load_own_data(data: Any, *, seed: int, n_train: int, n_eval: int) -> OwnData:
+def load_own_data(data: Any, *, seed: int, n_train: int, n_eval: int, hold_out: bool = True) -> OwnData:
     """``data`` (a ``DataConfig``: path, split, eval_path, eval_split, eval_fraction,
     prompt_column, answer_column, system_prompt, prompt_template) -> the train and eval examples
-    (at most ``n_train`` / ``n_eval``; train shuffled by ``seed``, eval by a fixed seed)."""
+    (at most ``n_train`` / ``n_eval``; train shuffled by ``seed``, eval by a fixed seed).
+    ``hold_out=False`` (``tokencredit eval``): data without an eval split and no
+    ``data.eval_fraction`` is evaluated whole, every row of ``data.split``."""
     splits, where = load_splits(data.path, "data.path")
     train_rows = _split(splits, data.split, where, "data.split")
     answer_column = _check_columns(train_rows, where, data.prompt_column, data.answer_column)
@@ -362,11 +369,16 @@ def load_own_data(data: Any, *, seed: int, n_train: int, n_eval: int) -> OwnData
             eval_rows = splits[found]
             logger.info("data: evaluating on the %r split of %s", found, where)
     train = rows_to_examples(train_rows, where=where, **kw)
+    if eval_rows is None and not hold_out and data.eval_fraction is None:
+        eval_rows = train_rows  # the whole file is the eval set
+    held_out = eval_rows is None
     if eval_rows is not None:
         ev = rows_to_examples(eval_rows, where=eval_where, **kw)
+        eval_of = len(ev)
         random.Random(f"data-eval-{EVAL_SEED}").shuffle(ev)
         ev = ev[:n_eval]
     else:
+        eval_of = len(train)
         frac = data.eval_fraction if data.eval_fraction is not None else DATA_EVAL_FRACTION
         order = list(range(len(train)))
         random.Random(f"data-eval-{EVAL_SEED}").shuffle(order)
@@ -383,7 +395,8 @@ def load_own_data(data: Any, *, seed: int, n_train: int, n_eval: int) -> OwnData
             "data: held out %d of %d rows of %s for evaluation (data.eval_fraction %s%s)", k, k + len(train), where, frac,
             "" if data.eval_fraction is not None else ", the default; set data.eval_path, data.eval_split or data.eval_fraction")
     random.Random(f"data-train-{seed}").shuffle(train)
-    return OwnData(train=train[:n_train], eval=ev, answer_column=answer_column, columns=sorted(train_rows[0]), where=where)
+    return OwnData(train=train[:n_train], eval=ev, answer_column=answer_column, columns=sorted(train_rows[0]), where=where,
+                   eval_of=eval_of, eval_where=eval_where, held_out=held_out)
 
 
 def load_task_rows(name: str, path: Optional[str], hub_default: Tuple[str, Optional[str]]) -> Tuple[List[dict], Optional[List[dict]], str]:

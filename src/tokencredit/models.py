@@ -221,6 +221,11 @@ def resolve_model(name_or_path: str, *, cache_dir=None, dtype: torch.dtype = tor
     except (OSError, ValueError, KeyError) as e:
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise ModelError(f"{field}: could not load {str(name_or_path)!r} ({type(e).__name__}: {first[:300]})") from None
+    if getattr(model, "_hf_peft_config_loaded", False) and not (Path(name) / "config.json").is_file():
+        # a LoRA adapter folder: from_pretrained loads it for inference (every weight frozen);
+        # its adapter trains, as a LoRA run's does (set_adapter marks it trainable)
+        adapters = list(model.peft_config)
+        model.set_adapter(adapters[0] if len(adapters) == 1 else adapters)
     prepare_tokenizer(tok, model)
     return model, tok
 
@@ -236,8 +241,11 @@ def _locate(name: str, field: str) -> str:
     ``from_pretrained`` alone retries an unreachable Hub for most of a minute)."""
     p = Path(name).expanduser()
     if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelError(f"{field}: expected a model folder with a config.json, got {name!r}, a folder without one")
+        if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
+            _locate_adapter_base(p, name, field)  # a peft adapter (a LoRA export): from_pretrained loads it on its base
+        elif not (p / "config.json").is_file():
+            raise ModelError(f"{field}: expected a model folder with a config.json (or a LoRA adapter folder with an "
+                             f"adapter_config.json), got {name!r}, a folder with neither")
         return str(p)
     if p.exists():
         raise ModelError(f"{field}: expected a model folder or a Hugging Face Hub id, got {name!r}, which is a file")
@@ -255,6 +263,21 @@ def _locate(name: str, field: str) -> str:
                          f"check the name, or download the model first")
     _ask_hub(name, field)
     return name
+
+
+def _locate_adapter_base(folder: Path, name: str, field: str) -> None:
+    """A peft adapter folder's base model (``base_model_name_or_path`` of its
+    ``adapter_config.json``), located as a model name is: a :class:`ModelError` at once when
+    from_pretrained could only fail on it."""
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"{field}: expected a readable adapter_config.json in the adapter folder {name!r}, got "
+                         f"{type(e).__name__}") from None
+    if not isinstance(base, str) or not base:
+        raise ModelError(f"{field}: expected the base model in {name!r}'s adapter_config.json (base_model_name_or_path), "
+                         f"got {base!r}")
+    _locate(base, f"{field} (the base model of the adapter {name!r})")
 
 
 def _ask_hub(name: str, field: str) -> None:

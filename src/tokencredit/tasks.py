@@ -137,6 +137,9 @@ class Task:
     # against it); None: the rows have none
     answer_column: Optional[str] = "answer"
     has_default_reward: bool = True  # False: the rows have no answer, reward.funcs must be given
+    # own data: where the eval rows come from, {"where", "of": rows there before n_eval,
+    # "held_out": a data.eval_fraction hold-out}; None: a built-in task
+    eval_source: Optional[Dict[str, Any]] = None
 
     def __post_init__(self):
         if self.scorer is None:
@@ -516,11 +519,13 @@ def score_safely(
     return _as_reward(fn, future.result())
 
 
-def make_data_task(data: Any, *, seed: int = 0, n_train: int = 512, n_eval: int = 64) -> Task:
-    """The task of own data (``data``: a ``DataConfig``, :func:`tokencredit.datasource.load_own_data`):
-    its reward, unless ``reward.funcs`` replace it, is math-verify against the answer column."""
+def make_data_task(data: Any, *, seed: int = 0, n_train: int = 512, n_eval: int = 64, hold_out: bool = True) -> Task:
+    """The task of own data (``data``: a ``DataConfig``, :func:`tokencredit.datasource.load_own_data`;
+    ``hold_out=False``: data without an eval split is evaluated whole): its reward, unless
+    ``reward.funcs`` replace it, is math-verify against the answer column."""
     from .datasource import load_own_data
 
-    d = load_own_data(data, seed=seed, n_train=n_train, n_eval=n_eval)
+    d = load_own_data(data, seed=seed, n_train=n_train, n_eval=n_eval, hold_out=hold_out)
     return Task(name="data", train=d.train, eval=d.eval, scorer=math_reward, description=f"own data from {d.where}",
-                answer_column=d.answer_column, has_default_reward=d.answer_column is not None)
+                answer_column=d.answer_column, has_default_reward=d.answer_column is not None,
+                eval_source={"where": d.eval_where, "of": d.eval_of, "held_out": d.held_out})
