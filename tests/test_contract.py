@@ -108,6 +108,12 @@ _CASES = {
         dict(logprobs=[[_L(0.01), _L(0.5), _L(0.5), _L(0.5)], [_L(0.5), _L(0.5), _L(0.5), _L(0.01)]]),
         [[+1, -1, -1, -1], [-1, -1, -1, +1]],
     ),
+    # the top ceil(0.2 * 8) = 2 entropy tokens keep their credit, scaled by N / K = 4 (the
+    # authors' loss averages over them only); every other token loses it
+    "forking": (
+        dict(entropy=[[3.0, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 2.0]]),
+        [[+1, -1, -1, -1], [-1, -1, -1, +1]],
+    ),
     "divergence": (
         dict(ref_logprobs=[[_L(0.5) - 2.0, _L(0.5) - 0.1, _L(0.5) - 0.1, _L(0.5) - 0.1],
                            [_L(0.5) - 0.1, _L(0.5) - 2.0, _L(0.5) - 0.1, _L(0.5) - 0.1]]),

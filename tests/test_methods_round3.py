@@ -367,3 +367,129 @@ def test_verls_own_gspo_and_cispo_take_the_calibrated_advantages(base, ours):
     want, g_want, _ = _ours(ours["name"], logp, old, cal, mask.bool(), **cfg)
     torch.testing.assert_close(loss.detach(), want.to(loss.dtype), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g * mask, g_want.to(g.dtype) * mask, rtol=1e-4, atol=1e-7)
+
+
+# -- forking-token selection ---------------------------------------------------------------------
+
+
+def authors_entropy_top_mask(entropy, response_mask, top_ratio=0.2):
+    """Beyond-the-80-20-Rule-RLVR, verl/trainer/ppo/core_algos.py get_global_entropy_top_mask."""
+    flat_e, flat_m = entropy.flatten(), response_mask.flatten().bool()
+    resp = flat_e[flat_m]
+    if resp.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.long)
+    top_k = max(1, int(len(resp) * top_ratio + 0.9999))
+    _, idx = torch.topk(resp, k=top_k)
+    out = torch.zeros_like(flat_e, dtype=torch.long)
+    out[flat_m.nonzero(as_tuple=False).squeeze(1)[idx]] = 1
+    return out.view_as(entropy)
+
+
+def authors_ppo_token_mean(log_prob, old_log_prob, advantages, loss_mask, clip_low=0.2, clip_high=0.28):
+    """The authors' compute_policy_loss (their verl fork; no dual clip reached here), its loss mask
+    response_mask * entropy_top_mask, token-mean."""
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))
+    pg = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+    m = loss_mask.to(log_prob.dtype)
+    return (pg * m).sum() / m.sum()
+
+
+def trl_high_entropy_mask(entropies, mask, threshold):
+    """TRL GRPOTrainer.get_high_entropy_mask on one process."""
+    local = entropies[mask.bool()].float()
+    thr = torch.quantile(local, threshold)
+    return ((entropies * mask.float()) >= thr) & mask.bool()
+
+
+def _forking_batch(seed, B=8, T=9):
+    b = make_batch(B, T, 4, seed=seed, dtype=torch.float64)
+    g = torch.Generator().manual_seed(100 + seed)
+    return b.replace(entropy=torch.rand(B, T, generator=g, dtype=torch.float64) * 2)
+
+
+@pytest.mark.parametrize("rho", [0.2, 0.05, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_forking_equals_the_authors_loss(seed, rho):
+    """grpo+forking advantages in a token-mean PPO loss over every valid token = the authors' PPO
+    loss on GRPO's advantages averaged over their entropy-top tokens only (value and gradient)."""
+    b = _forking_batch(seed)
+    pipe = CreditPipeline("grpo+forking", forking={"rho": rho})
+    out = pipe(b)
+    grpo = CreditPipeline("grpo")(b).advantages
+    top = authors_entropy_top_mask(b.entropy, b.mask, rho)
+    assert torch.equal(out.token_weights > 0, top.bool())
+    g = torch.Generator().manual_seed(seed)
+    old = b.logprobs
+    lp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    ours, g_ours, _ = _ours("ppo", lp, old, out.advantages, b.mask, clip_low=0.2, clip_high=0.28, agg_mode="token-mean")
+    ref, g_ref = _theirs(authors_ppo_token_mean, lp, old, grpo, b.mask.long() * top)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.where(b.mask, g_ours, 0.0), torch.where(b.mask, g_ref, 0.0), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rho", [0.2, 0.37])
+@pytest.mark.parametrize("seed", range(3))
+def test_forking_quantile_equals_trls_top_entropy_quantile(seed, rho):
+    """selection="quantile", renormalize=False: TRL's entropy mask times the per-token loss."""
+    b = _forking_batch(seed)
+    out = CreditPipeline("grpo+forking", forking={"rho": rho, "selection": "quantile", "renormalize": False})(b)
+    grpo = CreditPipeline("grpo")(b).advantages
+    trl = trl_high_entropy_mask(b.entropy, b.mask, 1 - rho)
+    torch.testing.assert_close(out.advantages, torch.where(trl, grpo, torch.zeros_like(grpo)), rtol=0, atol=0)
+
+
+def test_forking_keeps_exactly_the_top_share_and_nothing_else():
+    b = _forking_batch(0)
+    out = CreditPipeline("grpo+forking")(b)
+    keep = out.token_weights > 0
+    n = int(b.mask.sum())
+    k = math.ceil(0.2 * n)
+    assert int(keep.sum()) == k and out.metrics["forking/scale"] == pytest.approx(n / k)
+    h = b.entropy[b.mask]
+    assert float(b.entropy[keep].min()) > float(h.sort(descending=True).values[k])  # the k largest
+    grpo = CreditPipeline("grpo")(b).advantages
+    torch.testing.assert_close(out.advantages[keep], grpo[keep] * n / k)
+    assert torch.equal(out.advantages[~keep], torch.zeros(int((~keep).sum()), dtype=out.advantages.dtype))
+    with pytest.raises(ValueError, match="forking rho: expected a number in \\(0, 1\\]"):
+        CreditPipeline("grpo+forking", forking={"rho": 0.0})
+    with pytest.raises(ValueError, match="forking selection"):
+        CreditPipeline("grpo+forking", forking={"selection": "top"})
+
+
+def test_the_own_trainer_trains_with_forking(tmp_path):
+    from test_trainer import _cfg, _metrics, _trainer
+
+    tr = _trainer(_cfg(tmp_path, "grpo+forking", steps=1))
+    tr.train()
+    m = _metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    kept = [v for k, v in m.items() if k.endswith("forking/kept_frac")]
+    assert len(kept) == 1 and 0.2 <= kept[0] < 0.3  # ceil(0.2 N) of a few dozen tokens
+    cb, out = tr._last_batch["credit_batch"], tr._last_batch["credit"]
+    keep = forking_mask_of(cb)
+    assert torch.equal(out.advantages[cb.mask & ~keep], torch.zeros(int((cb.mask & ~keep).sum()), dtype=out.advantages.dtype))
+
+
+def forking_mask_of(cb):
+    from tokencredit.methods.forking import forking_mask
+
+    return forking_mask(cb.entropy, cb.mask, 0.2)
+
+
+def test_trls_trainer_and_verl_take_forking(tmp_path):
+    """TokenCreditGRPOTrainer: the credit of each generation batch is grpo+forking on its entropy;
+    verl's plugin accepts it (the calibrator runs in its loss, on each micro-batch, as the authors')."""
+    pytest.importorskip("trl")
+    import test_trl
+
+    trainer = test_trl._make(tmp_path, "grpo+forking", config={})
+    trainer.train()
+    assert trainer.records
+    for rec in trainer.records:
+        b = rec["batch"]
+        want = CreditPipeline("grpo+forking")(b, update_state=False).advantages
+        torch.testing.assert_close(rec["out"]["advantages"].float(), want.float())
+        assert int((want[b.mask] != 0).sum()) <= max(1, math.ceil(0.2 * int(b.mask.sum())))
+    pytest.importorskip("verl")
+    from tokencredit.integrations.verl.core import check_supported
+
+    check_supported(CreditPipeline("grpo+forking"))

@@ -5,7 +5,7 @@ from importlib import import_module
 # estimators
 _ESTIMATORS = ["grpo", "dr_grpo", "rloo", "gae", "pact", "gtpo", "opd", "oppo", "ktae"]
 # calibrators
-_CALIBRATORS = ["taco", "stare", "acpo", "arca", "intrinsic", "hicra", "sepa"]
+_CALIBRATORS = ["taco", "stare", "acpo", "arca", "intrinsic", "hicra", "sepa", "forking"]
 
 for _name in _ESTIMATORS + _CALIBRATORS:
     import_module(f"{__name__}.{_name}")
