@@ -20,6 +20,8 @@ entropy            [B, T]     full-vocabulary entropy of the next-token distribu
 mode_prob          [B, T]     top-1 probability of the next-token distribution
 hidden_residual    [B, T]     ARCA salience ||h_adapted - h_base||_2 (>= 0)
 oracle_logprobs    [B, T]     log-probs of y_t under the oracle-prompted (or teacher) model
+true_values        [B, T]     the current policy's exact value V(h_t) of the state before token t
+                              (enumerated on a task with a response space: exactvalue)
 values             [B, T + 1] critic values; values[:, t] = V(h_t), the state before token t
 token_ids          [B, T]     the sampled token ids y_t (integers >= 0 on valid positions;
                               an integer or a floating-point tensor: KTAE's token statistics)
@@ -53,6 +55,7 @@ TOKEN_SIGNALS = (
     "mode_prob",
     "hidden_residual",
     "oracle_logprobs",
+    "true_values",
 )
 #: every optional signal a method may declare (token_ids: the rollout's own tokens, no model pass)
 SIGNALS = TOKEN_SIGNALS + ("values", "token_ids", "planning_mask")
@@ -78,6 +81,7 @@ class CreditBatch:
     mode_prob: Optional[Tensor] = None
     hidden_residual: Optional[Tensor] = None
     oracle_logprobs: Optional[Tensor] = None
+    true_values: Optional[Tensor] = None
     values: Optional[Tensor] = None
     token_ids: Optional[Tensor] = None
     planning_mask: Optional[Tensor] = None

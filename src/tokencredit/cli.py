@@ -189,6 +189,24 @@ def _compare(args: argparse.Namespace, rest: List[str]) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace, rest: List[str]) -> int:
+    from .bench import DEFAULT_SEEDS, DEFAULT_SPECS, QUICK_SEEDS, QUICK_SPECS, SUITE, BenchError, run_bench
+
+    if rest:
+        raise SystemExit(f"tokencredit bench: unexpected arguments {rest}; the settings are fixed per task (tokencredit.bench.SETTINGS)")
+    try:
+        result = run_bench(args.tasks or ",".join(SUITE), args.credit or ",".join(QUICK_SPECS if args.quick else DEFAULT_SPECS),
+                           args.seeds or ",".join(map(str, QUICK_SEEDS if args.quick else DEFAULT_SEEDS)), args.output_dir,
+                           quick=args.quick, workers=args.workers, steps=args.steps, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print("\nbench interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except BenchError as e:
+        raise SystemExit(f"tokencredit bench: {e}") from None
+    print(f"report: {result['report']}")
+    return 0
+
+
 def _compare_report(args: argparse.Namespace) -> int:
     """--report-only: rebuild the report from the runs already on disk."""
     import json
@@ -276,6 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report-only", action="store_true", help="do not train; rebuild the report from the runs on disk")
     c.add_argument("--quiet", action="store_true", help="no progress lines")
     c.set_defaults(func=lambda a, rest: _compare_report(a) if a.report_only else _compare(a, rest))
+    b = sub.add_parser(
+        "bench",
+        help="does credit matter? credit specs x seeds on controlled tasks with exact true credit (oracle) as the ceiling",
+        description="Train every task x spec x seed (resumable runs in OUT/<task>/<spec>/seed<k>/, the own trainer), "
+        "then write OUT/report.md, OUT/summary.json and OUT/plots/<task>.png: exact success curves, AUC, headroom "
+        "recovered against grpo and oracle, bootstrap intervals over paired seeds.",
+        allow_abbrev=False,
+    )
+    b.add_argument("--tasks", default=None, help="comma-separated tasks (default: keytok,carry,fork)")
+    b.add_argument("--credit", default=None, help="comma-separated credit specs, grpo and oracle among them (default: tokencredit.bench.DEFAULT_SPECS)")
+    b.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0..9; --quick: 0,1)")
+    b.add_argument("--quick", action="store_true", help="grpo,oracle x 2 seeds x a few steps (< 5 minutes)")
+    b.add_argument("--steps", type=int, default=None, help="training steps of every run (default: the task's)")
+    b.add_argument("--workers", type=int, default=None, help="parallel processes (default: the CPUs available)")
+    b.add_argument("--output-dir", "--output_dir", dest="output_dir", default="runs/bench", help="where runs and the report go")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_bench)
     i = sub.add_parser(
         "inspect",
         help="an HTML page of token credit per method on a saved rollout batch",

@@ -37,6 +37,11 @@ class PassInputs:
     oracle_prompt_len: Optional[int] = None
     # one response token's text (a tokenizer's decode of [id]): the planning_mask signal
     decode: Optional[Callable[[List[int]], str]] = None
+    # the enumeration pass (true_values): the rows' prompt ids, the response alphabet's token ids
+    # and ``leaf_rewards(row, leaves [N, T]) -> [N]``, the rewards of every response to row's prompt
+    group_ids: Optional[torch.Tensor] = None
+    alphabet: Optional[Sequence[int]] = None
+    leaf_rewards: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
 
 
 @dataclass
@@ -162,6 +167,14 @@ def run_passes(
     for k, v in given.items():
         if k in plan.signals:
             res.setdefault(k, v)
+    if plan.true_values and "true_values" not in given:
+        from .exactvalue import batch_true_values
+
+        if inp.alphabet is None or inp.leaf_rewards is None or inp.group_ids is None:
+            raise ValueError("true_values: the plan has an enumeration pass; expected PassInputs.group_ids, alphabet and leaf_rewards, got None")
+        res["true_values"] = batch_true_values(
+            policy, inp.input_ids, inp.attention_mask, P, inp.response_ids, inp.response_mask, inp.group_ids,
+            inp.alphabet, inp.response_ids.shape[1], inp.leaf_rewards, temperature=temperature, forward=forward)
     if plan.critic is not None:
         head_out = models.critic(res["hidden"]).squeeze(-1)
         res["values"] = torch.sigmoid(head_out) if plan.critic.transform == "sigmoid" else head_out

@@ -13,6 +13,8 @@ each computed once and shared by every signal it serves:
     oracle        the policy or a teacher, on the      oracle_logprobs
                   oracle prompt or the student's own
     critic        a value head on the policy's hidden  values
+    enumeration   the policy on every continuation     true_values (exact V(h_t); a task with a
+                  of a response-space task             response space: exactvalue)
     (none)        the rollout's own sampled tokens     token_ids
 
 A trainer knows passes, never method names: ``tests/test_external_method.py`` registers methods
@@ -53,6 +55,7 @@ class SignalPlan:
     reference: bool  # a separate reference model scores the batch
     oracle: Optional[OraclePass]
     critic: Optional[CriticSpec]
+    true_values: bool = False  # the enumeration pass: the policy's exact V(h_t) (exactvalue)
 
     @property
     def passes(self) -> Tuple[str, ...]:
@@ -68,6 +71,8 @@ class SignalPlan:
             out.append("oracle")
         if self.critic is not None:
             out.append("critic")
+        if self.true_values:
+            out.append("enumeration")
         return tuple(out)
 
     def with_signals(self, extra) -> "SignalPlan":
@@ -114,6 +119,7 @@ def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool) -> 
         reference=needs_ref and not ref_from_adapter,
         oracle=oracle if "oracle_logprobs" in signals else None,
         critic=critic if "values" in signals else None,
+        true_values="true_values" in signals,
         _lora=lora,
         _explicit_reference=explicit_reference,
     )
@@ -126,12 +132,14 @@ def plan_signals(
     kl: bool = False,
     explicit_reference: bool = False,
     teacher: bool = False,
+    enumerable: bool = False,
 ) -> SignalPlan:
     """The passes a step of ``credit`` needs under this setting.
 
     lora: the policy carries a LoRA adapter. kl: the loss has a KL term (needs ref_logprobs).
     explicit_reference: a reference model was named or given (it wins over the adapter-off pass).
-    teacher: a teacher model was given. Raises :class:`PlanError` when a declared need cannot be
+    teacher: a teacher model was given. enumerable: the task declares a response space whose
+    continuations the trainer can enumerate (the ``true_values`` signal). Raises :class:`PlanError` when a declared need cannot be
     met (an adapter-reading method without LoRA, a teacher-scored pass without a teacher).
     """
     signals = set(credit.required_signals)
@@ -142,6 +150,12 @@ def plan_signals(
                 f"credit '{credit.name}': {', '.join(who)} reads {name} ({what}), which the trainers do not compute yet; "
                 f"expected a spec without it (replay it on saved rollouts: tokencredit inspect / fidelity), got {credit.name!r}"
             )
+    if "true_values" in signals and not enumerable:
+        who = [m.name for m in credit.methods if "true_values" in m.requires]
+        raise PlanError(
+            f"credit '{credit.name}': {', '.join(who)} reads true_values (the policy's exact V by enumeration); expected "
+            f"a task with a response space (tokencredit bench's tasks: keytok, carry, fork) and the own trainer, got none"
+        )
     if kl:
         signals.add("ref_logprobs")
     oracle = critic = None

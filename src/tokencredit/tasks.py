@@ -7,6 +7,9 @@ example) -> float`` in [0, 1]. ``make_task(name, ...)`` builds one:
                        multiplication), enumerated from the whole question space
     word               1-2 step word problems from templates (apples, coins, birds, ...)
     mix                equal shares of add1, add2, mul1 and word
+    keytok, carry,     controlled tasks of ``tokencredit bench`` (:mod:`tokencredit.controlled`):
+    fork               two-letter responses of a fixed length, a response space whose
+                       continuations can be enumerated (exact true credit)
     gsm8k, math        datasets (a local json/jsonl/csv/parquet file or folder, or a hub id, read
                        through ``datasets``: :mod:`tokencredit.datasource`), graded by math-verify
 
@@ -72,6 +75,7 @@ __all__ = [
     "list_tasks",
     "load_reward_fn",
     "make_data_task",
+    "response_space",
     "make_task",
     "numeric_reward",
     "math_reward",
@@ -140,6 +144,9 @@ class Task:
     # own data: where the eval rows come from, {"where", "of": rows there before n_eval,
     # "held_out": a data.eval_fraction hold-out}; None: a built-in task
     eval_source: Optional[Dict[str, Any]] = None
+    # responses of a fixed length over a small alphabet (exactvalue.ResponseSpace): the policy's
+    # exact values can be enumerated (the true_values signal); None: not enumerable
+    response_space: Optional[Any] = None
 
     def __post_init__(self):
         if self.scorer is None:
@@ -407,6 +414,9 @@ _DESCRIPTIONS = {
     "word": f"1-2 step word problems from {len(_WORD_TEMPLATES)} templates",
     "mix": "equal shares of " + ", ".join(MIX_PARTS),
     "chain": "two-step chains a + b - c > 0 (a, b, c in 2..9) solved step by step after a worked example turn, 455 questions",
+    "keytok": "key tokens: 3 of 8 letters decide the reward, 5 are free (controlled, enumerable)",
+    "carry": "2-bit binary addition written out with its carries, every step decisive (controlled, enumerable)",
+    "fork": "forking token: the first letter decides whether success is reachable (controlled, enumerable)",
     "gsm8k": "GSM8K (hub openai/gsm8k or a local file), math-verify reward",
     "math": "MATH (hub DigitalLearningGmbH/MATH-lighteval or a local file), math-verify reward",
 }
@@ -432,18 +442,33 @@ def make_task(
         raise ValueError(f"n_train: expected an int >= 1, got {n_train!r}")
     if not isinstance(n_eval, int) or n_eval < 0:
         raise ValueError(f"n_eval: expected an int >= 0, got {n_eval!r}")
-    if name in DATASET_DEFAULTS:
+    space = response_space(name)
+    if space is not None:
+        from . import controlled
+
+        if path is not None:
+            raise ValueError(f"path: only the dataset tasks {sorted(DATASET_DEFAULTS)} read a path; task {name!r} got {path!r}")
+        train, eval_ = controlled.build(name, seed, n_train, n_eval)
+        scorer: Callable[[str, Example], float] = controlled.REWARDS[name]
+    elif name in DATASET_DEFAULTS:
         train, eval_ = _dataset_task(name, seed, n_train, n_eval, path)
-        scorer: Callable[[str, Example], float] = math_reward
+        scorer = math_reward
     else:
         if path is not None:
             raise ValueError(f"path: only the dataset tasks {sorted(DATASET_DEFAULTS)} read a path; task {name!r} got {path!r}")
         train, eval_ = _procedural(name, seed, n_train, n_eval)
         scorer = numeric_reward
-    task = Task(name=name, train=train, eval=eval_, scorer=scorer, description=_DESCRIPTIONS[name])
+    task = Task(name=name, train=train, eval=eval_, scorer=scorer, description=_DESCRIPTIONS[name], response_space=space)
     if reward_fn is not None:
-        task = replace(task, scorer=load_reward_fn(reward_fn))
+        task = replace(task, scorer=load_reward_fn(reward_fn), response_space=None)
     return task
+
+
+def response_space(name: str) -> Optional[Any]:
+    """The enumerable response space of task ``name`` (a controlled task), else None."""
+    from .controlled import CONTROLLED
+
+    return CONTROLLED[name].space if name in CONTROLLED else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ class Trainer:
         self.credit = CreditPipeline(cfg.credit, cfg.method_configs())  # credit_config + credit_args
         # what the spec's methods declare (signals, passes, critic, an adapter, a teacher),
         # checked against this setting before any model is loaded
-        self.plan = _plan(self.credit, cfg, model=model, reference=reference, teacher=teacher)
+        self.plan = _plan(self.credit, cfg, model=model, reference=reference, teacher=teacher, task=task)
 
         from .losses import get_policy_loss
 
@@ -382,6 +382,7 @@ class Trainer:
             oracle_attention_mask=batch.oracle_attention_mask if own else batch.attention_mask,
             oracle_prompt_len=batch.oracle_prompt_len if own else batch.prompt_len,
             decode=self.tokenizer.decode,
+            **(self._enumeration_inputs(batch) if plan.true_values else {}),
         )
         models = PassModels(policy=self.model, reference=self.reference, teacher=self.teacher, critic=self.critic)
         with self._autocast():
@@ -402,6 +403,20 @@ class Trainer:
         batch.oracle_input_ids = j["input_ids"].to(self.device)
         batch.oracle_attention_mask = j["attention_mask"].to(self.device)
         batch.oracle_prompt_len = j["prompt_len"]
+
+    def _enumeration_inputs(self, batch: StepBatch) -> Dict[str, Any]:
+        """The enumeration pass's inputs (true_values): the task's response alphabet and the
+        task's own reward of every leaf of a row's prompt (memoised per example)."""
+        from .exactvalue import alphabet_ids, leaf_rewards_of
+
+        cache = self.__dict__.setdefault("_leaf_reward_cache", {})
+
+        def leaf_rewards(row: int, leaves: torch.Tensor) -> torch.Tensor:
+            ex = batch.examples[int(batch.prompt_index[row])]
+            return leaf_rewards_of(self.tokenizer, ex, leaves, self.task.reward, cache)
+
+        return {"group_ids": batch.prompt_index, "alphabet": alphabet_ids(self.tokenizer, self.task.response_space),
+                "leaf_rewards": leaf_rewards}
 
     def _saves_rollouts_this_step(self) -> bool:
         nxt = self.step + 1
@@ -560,10 +575,15 @@ class Trainer:
 # helpers
 
 
-def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=None, teacher=None) -> SignalPlan:
+def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=None, teacher=None, task=None) -> SignalPlan:
     """The passes a step of ``credit`` needs under this config (before any model is loaded: a
     declared need that the setting cannot meet is a one-line ConfigError)."""
     from .models import is_lora
+    from .tasks import response_space
+
+    # the enumeration pass scores leaves with the task's own reward: a task with a response space
+    space = task.response_space if task is not None else (response_space(cfg.task.name) if cfg.data.path is None else None)
+    enumerable = space is not None and not cfg.reward.funcs and cfg.task.reward_fn is None
 
     try:
         plan = plan_signals(
@@ -572,6 +592,7 @@ def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=Non
             kl=cfg.loss.kl_coef > 0,
             explicit_reference=reference is not None or cfg.model.reference not in (None, "self"),
             teacher=teacher is not None or cfg.model.teacher is not None,
+            enumerable=enumerable,
         )
     except PlanError as e:
         raise ConfigError(str(e)) from None

@@ -1,0 +1,260 @@
+"""tokencredit bench: the controlled tasks' exact V against brute force, the oracle estimator's
+telescoping credit, the plan's refusal without a response space, the bench's output, its
+one-line refusals, and a resumed bench equal to an uninterrupted one."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from functools import partial
+
+import pytest
+import torch
+
+from tokencredit import bench
+from tokencredit.bench_policy import bench_policy
+from tokencredit.controlled import CONTROLLED, REWARDS, build
+from tokencredit.exactvalue import ExactValueError, alphabet_ids, batch_true_values, prompt_values
+
+TASKS = ("keytok", "carry", "fork")
+
+
+def _prompt(tok, ex):
+    text = tok.apply_chat_template(list(ex.messages), tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _brute_value(model, tok, ex, prefix, ids, length, reward, temperature):
+    """V(prefix): sum over every completion of prod_t pi(y_t | prompt, y_<t) x R, each probability
+    from a plain full-vocabulary softmax of one batched forward over whole sequences (no tree, no
+    prompt cache, no renormalisation over the alphabet)."""
+    prompt = _prompt(tok, ex)
+    rest = length - len(prefix)
+    if rest == 0:
+        return reward(tok.decode(list(prefix)), ex)
+    conts = [list(prefix) + list(c) for c in itertools.product(ids, repeat=rest)]
+    seqs = torch.tensor([prompt + c for c in conts])
+    with torch.no_grad():
+        logits = model(input_ids=seqs).logits.double()
+    lp = torch.log_softmax(logits / temperature, -1)
+    P = len(prompt)
+    total = 0.0
+    for i, c in enumerate(conts):
+        logp = sum(float(lp[i, P - 1 + t, c[t]]) for t in range(len(prefix), length))
+        total += float(torch.tensor(logp).exp()) * reward(tok.decode(c), ex)
+    return total
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_exact_values_equal_a_brute_force_sum(task):
+    model, tok = bench_policy(task, seed=3, warm=False)
+    with torch.no_grad():  # a policy that is not near uniform, so that V varies along a response
+        model.lm_head.weight.mul_(10.0)
+    space = CONTROLLED[task].space
+    ids = alphabet_ids(tok, space)
+    _, ev = build(task, 0, 100, 2)
+    ex = ev[0]
+    prompt = _prompt(tok, ex)
+    resp = [ids[space.alphabet.index(ch)] for ch in ex.answer]  # the right response, one token flipped
+    k = space.length // 2
+    resp[k] = ids[1 - space.alphabet.index(ex.answer[k])]
+    inp = torch.tensor([prompt + resp])
+    V = batch_true_values(model, inp, torch.ones_like(inp), len(prompt), torch.tensor([resp]), torch.ones(1, space.length),
+                          torch.tensor([0]), ids, space.length,
+                          lambda row, leaves: torch.tensor([REWARDS[task](tok.decode(x), ex) for x in leaves.tolist()]),
+                          temperature=0.9)
+    brute = [_brute_value(model, tok, ex, resp[:t], ids, space.length, REWARDS[task], 0.9) for t in range(space.length)]
+    assert len(set(round(b, 6) for b in brute)) > 1  # the check sees values that differ
+    assert V[0].tolist() == pytest.approx(brute, abs=1e-6)
+    # prompt_values (the bench's success rate) is the same V(h_0)
+    assert float(prompt_values(model, tok, [ex], space, REWARDS[task], temperature=0.9)[0]) == pytest.approx(brute[0], abs=1e-6)
+
+
+def test_a_policy_with_mass_outside_the_alphabet_is_refused_in_one_line():
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    _, ev = build("keytok", 0, 10, 1)
+    with pytest.raises(ExactValueError, match=r"^policy: expected probability <= 1e-06 outside the response alphabet .* got 0\.9"):
+        prompt_values(model, tok, ev, CONTROLLED["keytok"].space, REWARDS["keytok"], temperature=1.0)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_initial_success_rate_is_between_5_and_50_percent(task):
+    model, tok = bench_policy(task, seed=0)
+    _, ev = build(task, 0, 100, 64)
+    v = prompt_values(model, tok, ev, CONTROLLED[task].space, REWARDS[task], temperature=bench.SETTINGS[task].temperature)
+    assert 0.05 <= float(v.mean()) <= 0.5
+
+
+def test_rewards_read_what_the_task_says():
+    ex = {e.question: e for e in build("keytok", 0, 100, 100)[1]}["key bab"]
+    assert REWARDS["keytok"]("abbaaaba", ex) == 1.0  # positions 1, 4, 6 = b, a, b; the rest free
+    assert REWARDS["keytok"]("bbbbabbb", ex) == 1.0
+    assert REWARDS["keytok"]("aabaaaba", ex) == 0.0
+    ex = {e.question: e for e in build("carry", 0, 100, 100)[1]}["11+01"]  # 3 + 1 = 4 = 100
+    assert ex.answer == "0101"  # s0=0 c1=1 s1=0 c2=1
+    ex = {e.question: e for e in build("fork", 0, 100, 100)[1]}["fork bab"]
+    assert ex.answer == "bbbbbbbb"
+
+
+def _credit_batch(B=5, T=6, seed=0):
+    from tokencredit.batch import CreditBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([6, 3, 1, 6, 4])
+    mask = (torch.arange(T).unsqueeze(0) < lens.unsqueeze(1)).long()
+    return CreditBatch(response_mask=mask, rewards=torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]),
+                       group_ids=torch.tensor([0, 0, 0, 1, 1]), true_values=torch.rand(B, T, generator=g))
+
+
+@pytest.mark.parametrize("normalize", ["none", "group", "batch"])
+def test_oracle_credit_telescopes_to_reward_minus_v0(normalize):
+    from tokencredit.methods.oracle import OracleConfig, oracle, true_credit
+
+    cb = _credit_batch()
+    out = oracle(cb, OracleConfig(normalize=normalize))
+    c = true_credit(cb)
+    assert (c.sum(1) - (cb.rewards - cb.true_values[:, 0])).abs().max() < 1e-6
+    assert (out.advantages[~cb.mask] == 0).all()
+    if normalize == "none":
+        assert torch.allclose(out.advantages, c)
+    else:  # a positive scale per row: the credit's placement is unchanged
+        ratio = out.advantages[cb.mask] / c[cb.mask]
+        assert (ratio > 0).all()
+    # the credit of a middle token is the value's step
+    assert float(c[0, 2]) == pytest.approx(float(cb.true_values[0, 3] - cb.true_values[0, 2]))
+
+
+def test_plan_refuses_oracle_without_a_response_space():
+    from tokencredit.config import ConfigError, ModelConfig, TaskConfig, TrainConfig
+    from tokencredit.plan import PlanError, plan_signals
+    from tokencredit.spec import CreditPipeline
+    from tokencredit.trainer import Trainer
+
+    with pytest.raises(PlanError, match="oracle reads true_values .* expected a task with a response space"):
+        plan_signals(CreditPipeline("oracle"), lora=False)
+    assert plan_signals(CreditPipeline("oracle"), lora=False, enumerable=True).passes == ("policy", "enumeration")
+    with pytest.raises(ConfigError, match="true_values"):  # before any model loads
+        Trainer(TrainConfig(credit="oracle", model=ModelConfig(name="no/such-model"), task=TaskConfig(name="mul1")))
+
+
+# ---------------------------------------------------------------------------------------
+# the bench
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_quick")
+    result = bench.run_bench(quick=True, specs=bench.QUICK_SPECS, seeds=bench.QUICK_SEEDS, output_dir=out, workers=1, progress=False)
+    return out, result
+
+
+def test_quick_bench_writes_a_report_with_every_task_and_spec(quick):
+    out, result = quick
+    assert len(result["runs"]) == 3 * 2 * 2 and set(result["runs"].values()) == {"started"}
+    report = (out / "report.md").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == list(TASKS)
+    for t in TASKS:
+        assert f"## {t}" in report and (out / "plots" / f"{t}.png").stat().st_size > 1000
+        s = summary[t]
+        assert s["seeds"] == [0, 1] and s["budget"] == bench.QUICK_STEPS
+        assert set(s["specs"]) == {"grpo", "oracle"}
+        assert "headroom" in s["specs"]["oracle"] and "auc_vs_grpo" in s["specs"]["oracle"]
+        for r in s["specs"].values():
+            lo_est_hi = r["auc"]
+            assert lo_est_hi[1] <= lo_est_hi[0] <= lo_est_hi[2]
+            # paired seeds: every spec of a seed starts from the same policy
+        assert s["specs"]["grpo"]["initial"] == s["specs"]["oracle"]["initial"]
+        assert sorted(map(int, s["specs"]["oracle"]["curve"])) == [0, 3, 6]
+
+
+def test_quick_bench_success_is_the_exact_value_of_the_trained_policy(quick):
+    """The logged success of an oracle run's last step is V(h_0) of its final weights, which
+    equals the brute-force sum."""
+    from tokencredit.checkpoint import load_latest_checkpoint
+    from tokencredit.compare import read_metrics
+
+    out, _ = quick
+    run = out / "keytok" / "oracle" / "seed1"
+    rows = read_metrics(run / "metrics.jsonl")
+    logged = rows[-1]["bench/success"]
+    model, tok = bench_policy("keytok", 1, warm=False)
+    _, sd = load_latest_checkpoint(run / "checkpoints")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, v in sd["model"].items():
+            params[n].copy_(v)
+    _, ev = build("keytok", 1, 100, 64)
+    ids = alphabet_ids(tok, CONTROLLED["keytok"].space)
+    brute = sum(_brute_value(model, tok, e, [], ids, 8, REWARDS["keytok"], 1.0) for e in ev) / len(ev)
+    assert logged == pytest.approx(brute, abs=1e-6)
+    assert rows[0]["bench/success"] != pytest.approx(logged, abs=1e-4)  # the oracle's run changed the policy
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(tasks="keytok,mul1"), r"^--tasks: expected tasks among \['keytok', 'carry', 'fork'\] .* got 'mul1'$"),
+    (dict(specs="grpo,oracle,nosuch"), r"^--credit: bad credit spec 'nosuch': unknown credit method 'nosuch'"),
+    (dict(specs="grpo,rloo"), r"^--credit: expected grpo and oracle among the specs"),
+    (dict(steps=3), r"^--steps: expected a budget of at least 2 evals \(10 steps on keytok\), got 3$"),
+])
+def test_bad_input_is_refused_in_one_line_before_any_run(tmp_path, kw, msg):
+    args = dict(tasks="keytok", specs="grpo,oracle", seeds="0", output_dir=tmp_path / "b", workers=1, progress=False)
+    args.update(kw)
+    with pytest.raises(bench.BenchError, match=msg):
+        bench.run_bench(**args)
+    assert not (tmp_path / "b" / "keytok").exists()
+
+
+def test_cli_refusal_is_one_line_with_exit_2(tmp_path, capsys):
+    from tokencredit.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--tasks", "nosuch", "--output-dir", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tokencredit bench: --tasks: expected tasks among ['keytok', 'carry', 'fork'] (enumerable, controlled), got 'nosuch'"]
+
+
+class _Interrupting:
+    """make_trainer, but the first oracle run raises Ctrl-C in its 4th step (the trainer
+    checkpoints the steps before and stops)."""
+
+    def __init__(self, init_dir):
+        self.init_dir, self.done = init_dir, False
+
+    def __call__(self, cfg):
+        tr = bench.make_trainer(cfg, init_dir=self.init_dir)
+        if cfg.credit == "oracle" and not self.done:
+            self.done = True
+            real, calls = tr.train_step, {"n": 0}
+
+            def step():
+                calls["n"] += 1
+                if calls["n"] == 4:
+                    raise KeyboardInterrupt
+                return real()
+
+            tr.train_step = step
+        return tr
+
+
+def test_a_resumed_bench_equals_an_uninterrupted_one(tmp_path):
+    from tokencredit.compare import read_metrics
+
+    kw = dict(tasks="keytok", specs="grpo,oracle", seeds="0", quick=True, progress=False, workers=1)
+    whole = bench.run_bench(output_dir=tmp_path / "whole", **kw)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(output_dir=tmp_path / "cut", trainer_factory=_Interrupting(str(tmp_path / "cut" / "init")), **kw)
+    cut_rows = read_metrics(tmp_path / "cut" / "keytok" / "oracle" / "seed0" / "metrics.jsonl")
+    assert 0 < max(r["step"] for r in cut_rows) < bench.QUICK_STEPS
+    resumed = bench.run_bench(output_dir=tmp_path / "cut", **kw)
+    assert resumed["runs"][("keytok", "grpo", 0)] == "skipped" and resumed["runs"][("keytok", "oracle", 0)] == "resumed"
+    keys = ("bench/success", "reward/mean", "eval/greedy_acc")
+    for spec in ("grpo", "oracle"):
+        a = read_metrics(tmp_path / "whole" / "keytok" / spec / "seed0" / "metrics.jsonl")
+        b = read_metrics(tmp_path / "cut" / "keytok" / spec / "seed0" / "metrics.jsonl")
+        assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
+    assert json.loads((tmp_path / "whole" / "summary.json").read_text()) == json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert whole["summary"]["keytok"]["specs"]["oracle"]["auc"][0] == resumed["summary"]["keytok"]["specs"]["oracle"]["auc"][0]
