@@ -22,7 +22,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-__all__ = ["PRECISIONS", "cpu_has_bf16_units", "resolve_precision", "autocast", "dtype_of"]
+__all__ = ["PRECISIONS", "cpu_has_bf16_units", "resolve_precision", "autocast", "bf16_attention", "dtype_of"]
 
 PRECISIONS = ("fp32", "bf16", "auto")
 _CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -73,8 +73,40 @@ def dtype_of(precision: str) -> Optional[torch.dtype]:
     return torch.bfloat16 if precision == "bf16" else None
 
 
-def autocast(precision: str, device_type: str) -> ContextManager:
-    """bf16 autocast for ``"bf16"``; nothing at all for ``"fp32"`` (the fp32 path is unchanged)."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+@lru_cache(maxsize=1)
+def bf16_flash_attention_broken() -> bool:
+    """True on a CPU with AMX tiles when ATen's kernels are held below AVX-512
+    (``ATEN_CPU_CAPABILITY=avx2`` or ``default``): torch 2.13's bf16 flash attention then packs its
+    blocks for AMX and fails at 64 or more positions ("pack_vnni2 is only supported when avx512 is
+    supported"). Measured on an Intel Xeon (AMX) under each capability; an AVX2-only CPU has no
+    AMX and is unaffected."""
+    cpu = getattr(torch, "cpu", None)
+    try:
+        amx = bool(cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+    return amx and not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def bf16_attention(device_type: str) -> ContextManager:
+    """Scaled-dot-product attention that works in bf16 on this CPU: the math kernel where
+    :func:`bf16_flash_attention_broken`, else torch's own choice (nothing changes)."""
+    if device_type == "cpu" and bf16_flash_attention_broken():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
     return contextlib.nullcontext()
+
+
+def autocast(precision: str, device_type: str) -> ContextManager:
+    """bf16 autocast for ``"bf16"`` (with :func:`bf16_attention`); nothing at all for ``"fp32"``
+    (the fp32 path is unchanged)."""
+    if precision == "bf16":
+        return _bf16_autocast(device_type)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _bf16_autocast(device_type: str):
+    with bf16_attention(device_type), torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+        yield

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, runt
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HFRollout", "RolloutBackend", "RolloutBatch", "StepBatch", "NonFiniteLogitsError", "response_mask_from_ids"]
+__all__ = ["HFRollout", "ReplayRollout", "RolloutBackend", "RolloutBatch", "StepBatch", "NonFiniteLogitsError", "response_mask_from_ids"]
 
 
 class NonFiniteLogitsError(FloatingPointError):
@@ -250,7 +250,16 @@ class StepBatch:
 
 @runtime_checkable
 class RolloutBackend(Protocol):
-    """What the trainer needs from a generator (HF ``generate`` here; vLLM could implement it)."""
+    """What the trainer needs from a generator: :class:`HFRollout` (HF ``generate``),
+    :class:`ReplayRollout` (fixed responses); a vLLM backend implements the same two calls.
+
+    ``generate``: ``num_samples`` responses to each chat prompt, as a :class:`RolloutBatch`
+    (layout in the module docstring); sampling draws from torch's global RNG (checkpointed by the
+    trainer), or from a private stream seeded with ``seed`` that leaves the global RNG untouched.
+    ``weights_changed``: the trainer's weights changed (an optimizer step, a loaded checkpoint);
+    a backend that generates from its own copy of the weights syncs them before its next call.
+    ``Trainer(cfg, rollout=...)`` takes a backend, or a callable ``(model, tokenizer) -> backend``
+    called with the trainer's (possibly LoRA-wrapped) model."""
 
     def generate(
         self,
@@ -262,6 +271,8 @@ class RolloutBackend(Protocol):
         top_p: float,
         seed: Optional[int],
     ) -> RolloutBatch: ...
+
+    def weights_changed(self) -> None: ...
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
@@ -465,7 +476,10 @@ class HFRollout:
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None else contextlib.nullcontext()
         gen.eval()
         try:
-            with rng, self._clean_generation_config(stop_ids):
+            from .precision import bf16_attention
+
+            attention = bf16_attention(device.type) if self.dtype == torch.bfloat16 else contextlib.nullcontext()
+            with rng, self._clean_generation_config(stop_ids), attention:
                 if seed is not None:
                     torch.manual_seed(int(seed))
                 for s in range(0, N, step):
@@ -523,3 +537,96 @@ class HFRollout:
             truncated=truncated,
             temperature=t_lp,
         )
+
+
+class ReplayRollout:
+    """:class:`RolloutBackend` that serves fixed responses instead of sampling from the model.
+
+    The tokens do not depend on any float the model computes, so a run trained on them gives the
+    same batches on every CPU (a sampled token flips when a logit's last digit moves between
+    kernels, and the runs part): tests pin a trainer's output through it, and a user can replay
+    responses through a new method or loss without the sampler in the way.
+
+    ``responses(key, row, max_new_tokens) -> token ids`` gives row ``row``'s response (prompt
+    ``row // num_samples``) of a call; ``key`` is ``seed`` when the call passes one (eval), else
+    one integer drawn from torch's global RNG (which the trainer checkpoints, so a resumed run
+    replays what the uninterrupted one did). The ids are cut after the first stop token and at
+    ``max_new_tokens``. Default: :func:`seeded_responses` over the tokenizer's non-special tokens.
+    ``behaviour_logprobs`` are the model's, teacher-forced on the replayed tokens
+    (``log_softmax(logits / temperature)``; temperature 0 reports temperature 1, as
+    :class:`HFRollout` does), so the loss sees a consistent behaviour policy.
+    """
+
+    def __init__(self, model, tokenizer, responses=None, *, p_stop: float = 0.25):
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("tokenizer: expected a pad and an eos token, got none")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_id = int(tokenizer.eos_token_id)
+        if responses is None:
+            special = set(tokenizer.all_special_ids)
+            vocab = [i for i in range(len(tokenizer)) if i not in special]
+            responses = seeded_responses(vocab, self.stop_id, p_stop=p_stop)
+        self.responses = responses
+
+    def weights_changed(self) -> None:
+        """Nothing to sync: the log-probs are computed with the trainer's model itself."""
+
+    @torch.no_grad()
+    def generate(self, prompts, *, num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: Optional[int] = None) -> RolloutBatch:
+        from .forward import forward_response
+
+        tok = self.tokenizer
+        texts = [tok.apply_chat_template(list(m), tokenize=False, add_generation_prompt=True) for m in prompts]
+        enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        prompt_index = torch.arange(len(prompts)).repeat_interleave(int(num_samples))
+        prompt_ids, prompt_mask = enc["input_ids"][prompt_index], enc["attention_mask"][prompt_index]
+        key = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)))
+        rows = []
+        for i in range(len(prompt_index)):
+            ids = [int(t) for t in self.responses(key, i, int(max_new_tokens))][: int(max_new_tokens)]
+            if not ids:
+                raise ValueError(f"responses: expected at least one token for row {i}, got none")
+            rows.append(ids[: ids.index(self.stop_id) + 1] if self.stop_id in ids else ids)
+        N, T, pad = len(rows), max(len(r) for r in rows), int(tok.pad_token_id)
+        response_ids = torch.full((N, T), pad, dtype=torch.long)
+        response_mask = torch.zeros((N, T), dtype=torch.long)
+        for i, r in enumerate(rows):
+            response_ids[i, : len(r)] = torch.tensor(r)
+            response_mask[i, : len(r)] = 1
+        t_lp = 1.0 if temperature == 0 else float(temperature)
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            _, logits = forward_response(self.model, torch.cat([prompt_ids, response_ids], 1).to(device),
+                                         torch.cat([prompt_mask, response_mask], 1).to(device), prompt_ids.shape[1])
+        finally:
+            self.model.train(was_training)
+        lp = F.log_softmax(logits.float() / t_lp, -1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1).cpu()
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
+            behaviour_logprobs=lp * response_mask, prompt_index=prompt_index,
+            texts=tok.batch_decode(rows, skip_special_tokens=True),
+            truncated=torch.tensor([self.stop_id not in r for r in rows]), temperature=t_lp,
+        )
+
+
+def seeded_responses(vocab: Sequence[int], stop_id: int, *, p_stop: float = 0.25):
+    """``responses`` for :class:`ReplayRollout`: row ``row`` of call ``key`` draws tokens from
+    ``vocab`` with numpy's PCG64 seeded by ``(key, row)`` (integer arithmetic: the same ids on
+    every machine), each position the stop token with probability ``p_stop``."""
+    import numpy as np
+
+    vocab = np.asarray(list(vocab), dtype=np.int64)
+    if vocab.size == 0:
+        raise ValueError("vocab: expected at least one token id, got none")
+
+    def responses(key: int, row: int, max_new_tokens: int) -> List[int]:
+        g = np.random.default_rng([int(key) % 2**63, int(row)])
+        stop = g.random(max_new_tokens) < p_stop
+        ids = vocab[g.integers(0, vocab.size, max_new_tokens)]
+        return [stop_id if s else int(t) for s, t in zip(stop, ids)]
+
+    return responses
