@@ -258,3 +258,25 @@ def test_a_resumed_bench_equals_an_uninterrupted_one(tmp_path):
         assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
     assert json.loads((tmp_path / "whole" / "summary.json").read_text()) == json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert whole["summary"]["keytok"]["specs"]["oracle"]["auc"][0] == resumed["summary"]["keytok"]["specs"]["oracle"]["auc"][0]
+
+
+def test_summary_measures_on_known_curves():
+    """AUC is the trapezoid mean, headroom (spec - grpo) / (oracle - grpo) per the paired seeds,
+    steps to threshold the first eval at or above it (the budget when never)."""
+    def rows(vals):
+        return [{"step": s, "bench/success": v, "eval/greedy_acc": v} for s, v in zip((0, 5, 10), vals)]
+
+    res = {
+        "grpo": {0: rows([0.1, 0.1, 0.1]), 1: rows([0.1, 0.1, 0.3])},
+        "oracle": {0: rows([0.1, 0.5, 0.9]), 1: rows([0.1, 0.7, 0.9])},
+        "rloo": {0: rows([0.1, 0.3, 0.5]), 1: rows([0.1, 0.4, 0.6])},
+    }
+    s = bench.summarize_task(res, threshold=0.5, budget=10)
+    auc = {k: s["specs"][k]["per_seed_auc"] for k in res}
+    assert auc["grpo"] == pytest.approx([0.1, 0.15]) and auc["oracle"] == pytest.approx([0.5, 0.6])
+    assert auc["rloo"] == pytest.approx([0.3, 0.375])
+    assert s["specs"]["rloo"]["headroom"][0] == pytest.approx((0.3375 - 0.125) / (0.55 - 0.125))
+    assert s["specs"]["oracle"]["steps_to"][0] == pytest.approx(5.0) and s["specs"]["oracle"]["reached"] == 2
+    assert s["specs"]["grpo"]["steps_to"][0] == pytest.approx(10.0) and s["specs"]["grpo"]["reached"] == 0
+    lo, hi = s["specs"]["rloo"]["auc_vs_grpo"][1:]
+    assert lo <= 0.2125 <= hi
