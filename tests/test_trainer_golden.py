@@ -151,7 +151,7 @@ def run_case(name: str, root: Path, exact: bool = False, sample: bool = False) -
 #: Xeon's default, AMX bf16), avx2, default and avx2 + MKL_ENABLE_INSTRUCTIONS=AVX2 +
 #: ONEDNN_MAX_CPU_ISA=AVX2 (an AVX2-only CPU's kernels) differ by at most 1.5e-5 (tensors) and
 #: 1.6e-4 (metrics) in fp32, and by 6.0e-3 and 2.3e-3 in bf16, whose matrix products round
-#: differently on AMX than on AVX2 (docs/architecture.md, "pinned outputs"); each tolerance is 10x that.
+#: differently on AMX than on AVX2 (docs/training.md, "Pinned outputs"); each tolerance is 10x that.
 TOL = {"fp32": (1.5e-4, 1.6e-3), "bf16": (6e-2, 2.3e-2)}
 
 

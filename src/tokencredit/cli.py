@@ -71,8 +71,7 @@ def _train(args: argparse.Namespace, rest: List[str]) -> int:
         print(f"train interrupted at step {trainer.step} of {cfg.steps}", file=sys.stderr)
         return 130
     if not last:  # --resume of a run that had already reached cfg.steps
-        final = trainer.out / "final"
-        path = final if final.exists() else trainer.export()
+        path = trainer.export(reuse=True)  # final/ as it is if whole and of this step, else written again
         print(f"nothing to train: the run is at step {trainer.step} of {cfg.steps} (raise --steps to go on); final model in {path}")
         return 0
     path = trainer.export()

@@ -4,8 +4,10 @@
   the run's life; a full disk on the way is one line saying where the run stopped and whether
   its last checkpoint is intact.
 * :func:`check_resume_config` / :func:`resume_state`: ``--resume`` continues from the newest
-  intact checkpoint, refused in one line if the run was trained with other settings (only
-  ``config.SAFE_TO_CHANGE`` may differ).
+  intact checkpoint (its checksum, finite weights, and every weight of the model's shape and
+  dtype: a damaged one is skipped with a warning), refused in one line if the run was trained
+  with other settings (only ``config.SAFE_TO_CHANGE`` may differ), or has no checkpoint yet (a
+  run killed before its first: ``--overwrite`` starts it again).
 * :class:`StopSignals`: SIGINT (Ctrl-C) and SIGTERM (schedulers, ``timeout``, container stops)
   let the running step finish, then the run checkpoints and stops; a second one, or one
   between steps, stops at once.
@@ -20,9 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-from .checkpoint import latest_checkpoint, load_latest_checkpoint
+import torch
+
+from .checkpoint import check_weights, latest_checkpoint, load_latest_checkpoint, trainable_weights
 from .config import SAFE_TO_CHANGE, ConfigError, config_diff
-from .runfolder import DiskFullError, check_data_unchanged, claim_run_folder
+from .runfolder import DiskFullError, RunFolderError, _aside_name, check_data_unchanged, claim_run_folder, holds_run
 
 __all__ = ["StopSignals", "check_resume_config", "holding_run_folder", "resume_state"]
 
@@ -46,12 +50,21 @@ def holding_run_folder(folder: Path, *, resume: bool, overwrite: bool, step: Cal
 
 
 def check_resume_config(folder: Path, config: Dict[str, Any], saved: Any, where: Optional[Path] = None) -> None:
-    """Refuse to resume the run in ``folder`` if its training-relevant settings differ from
-    ``config`` (``config_to_dict`` of this run's config).
+    """Refuse to resume the run in ``folder`` if it has no checkpoint (a run killed before its
+    first one: ``--overwrite`` starts it again), or if its training-relevant settings differ
+    from ``config`` (``config_to_dict`` of this run's config).
 
     ``saved`` is the run's config (a dict, or the path of its ``config.json``; a missing file
     is no objection: the checkpoint's own copy is checked when it is loaded). Only the fields
     in :data:`~tokencredit.config.SAFE_TO_CHANGE` may differ."""
+    if latest_checkpoint(Path(folder) / "checkpoints") is None:
+        found = holds_run(folder)
+        raise RunFolderError(
+            f"resume: the run in {str(folder)!r} has no checkpoint to continue from "
+            + ("(it stopped before its first one); start again with --overwrite (the old run is moved to "
+               f"{str(_aside_name(Path(folder)))!r}, nothing is deleted), or choose another --output-dir" if found
+               else "(it holds no run); train without --resume")
+        )
     if isinstance(saved, Path):
         if not saved.is_file():
             return
@@ -72,10 +85,22 @@ def check_resume_config(folder: Path, config: Dict[str, Any], saved: Any, where:
     check_data_unchanged(folder, config)  # the sha256 of its data files (runfolder)
 
 
-def resume_state(folder: Path, config: Dict[str, Any]) -> Tuple[Path, Dict[str, Any]]:
-    """The newest intact checkpoint of the run in ``folder`` and its state (a damaged one is
-    skipped with a warning), refused if it was trained with other settings than ``config``."""
-    ck, sd = load_latest_checkpoint(folder / "checkpoints")
+def resume_state(folder: Path, config: Dict[str, Any], model: Optional[torch.nn.Module] = None,
+                 critic: Optional[torch.nn.Module] = None) -> Tuple[Path, Dict[str, Any]]:
+    """The newest intact checkpoint of the run in ``folder`` and its state, refused if it was
+    trained with other settings than ``config``. Intact: it loads, matches its checksum, its
+    weights are finite and (given ``model`` / ``critic``) are exactly the model's trainable
+    weights and the critic's, each of the same shape and dtype; a damaged one is skipped with a
+    warning naming it and why."""
+
+    def verify(ck: Path, sd: Dict[str, Any]) -> None:
+        where = f"checkpoint {str(ck / 'state.pt')!r}"
+        if model is not None:
+            check_weights(sd.get("model"), trainable_weights(model), where)
+        if critic is not None:
+            check_weights(sd.get("critic"), critic.state_dict(), where, part="critic")
+
+    ck, sd = load_latest_checkpoint(folder / "checkpoints", verify=verify)
     check_resume_config(folder, config, sd.get("config"), where=ck / "state.pt")
     return ck, sd
 

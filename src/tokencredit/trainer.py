@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from .batch import SIGNALS, CreditBatch
-from .checkpoint import check_output_dir, latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (check_output_dir, check_weights, copy_weights, latest_checkpoint, rng_state, save_checkpoint,
+                         set_rng_state)
 from .collect import batch_metrics, collect, reward_scores, rollout_metrics, score
 from .config import ConfigError, TrainConfig, config_to_dict
 from .evaluation import evaluate_split, rollouts_record, write_samples
@@ -241,7 +242,7 @@ class Trainer:
         cfg, stop = self.cfg, self.signals
         resume_step = None
         if cfg.resume and not self._resumed:
-            ck, sd = resume_state(self.out, config_to_dict(cfg))
+            ck, sd = resume_state(self.out, config_to_dict(cfg), model=self.model, critic=self.critic)
             self.load_state_dict(sd)
             self._resumed, resume_step = True, self.step
             print(f"resumed from {ck} at step {self.step}")
@@ -535,14 +536,12 @@ class Trainer:
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        params = dict(self.model.named_parameters())
-        missing = sorted(n for n, p in params.items() if p.requires_grad and n not in sd["model"])
-        extra = sorted(n for n in sd["model"] if n not in params)
-        if missing or extra:
-            raise KeyError(f"checkpoint model weights: missing {missing[:5]}, unexpected {extra[:5]}")
-        with torch.no_grad():
-            for n, v in sd["model"].items():
-                params[n].copy_(v)
+        """Load a checkpoint's state; its weights must be exactly the model's trainable weights
+        (and the critic's), each of the same shape and dtype (a ``CheckpointError`` naming the
+        first that is not: nothing is broadcast, nothing half-loaded)."""
+        if self.critic is not None:
+            check_weights(sd.get("critic"), self.critic.state_dict(), "checkpoint", part="critic")
+        copy_weights(self.model, sd.get("model"), "checkpoint")
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
         self.credit.load_state_dict(sd["credit"])
@@ -557,18 +556,28 @@ class Trainer:
     def save(self) -> Path:
         return save_checkpoint(self.out / "checkpoints", self.step, self.state_dict(), keep_last=self.cfg.keep_last)
 
-    def export(self, path: Optional[str] = None) -> Path:
-        """Save the final model (or adapter) and tokenizer in Hugging Face format."""
-        p = Path(path) if path else self.out / "final"
-        self.model.save_pretrained(p)
-        self.tokenizer.save_pretrained(p)
-        if self.lora:  # the adapter records its base model as given (a hub id, or an absolute path)
-            from .export import record_base_model
+    def export(self, path: Optional[str] = None, *, reuse: bool = False) -> Path:
+        """Save the model at this step (or its adapter) and tokenizer in Hugging Face format, to
+        ``path`` (default ``<run>/final``): written to a temporary sibling, checked (its files and
+        their sha256) and renamed into place (export.write_model_folder), so a kill leaves the
+        old folder or the new one. ``reuse``: a folder already there that is whole and of this
+        step is kept; one that is not is said and written again."""
+        from .export import check_model_folder, write_model_folder
 
-            record_base_model(p, self.cfg.model.name, self.cfg.model.cache_dir)
-        if self.critic is not None:
-            torch.save(self.critic.state_dict(), p / "value_head.pt")
-        return p
+        p = Path(path) if path else self.out / "final"
+        if reuse:
+            problem = check_model_folder(p, step=self.step)
+            if problem is None:
+                return p
+            if p.exists():
+                print(f"{p}: {problem}; written again from the checkpoint of step {self.step}")
+        return write_model_folder(
+            p, self.model, self.tokenizer, what=f"final model of step {self.step}", replace=True,
+            base_model=self.cfg.model.name, cache_dir=self.cfg.model.cache_dir, lora=self.lora,
+            critic=self.critic.state_dict() if self.critic is not None else None,
+            info={"run": str(self.out.resolve()), "step": int(self.step)},
+            on_disk_full=f"the checkpoint of step {self.step} is intact: free space and run again with --resume to write it",
+        )
 
 
 # ---------------------------------------------------------------------------------------

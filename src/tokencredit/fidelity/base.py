@@ -65,10 +65,22 @@ def batch_fingerprint(saved: Dict[str, Any]) -> str:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
+    """``obj`` into ``path`` through a temporary sibling (fsynced, renamed): a kill leaves the old
+    file or the new one. A failed write removes the temporary file; a full disk is one line
+    (:class:`~tokencredit.runfolder.DiskFullError`, naming ``path``)."""
+    from ..checkpoint import save_torch
+    from ..runfolder import DiskFullError, is_disk_full
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        save_torch(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise DiskFullError(path, "fidelity estimates", e) from None
+        raise
 
 
 def mc_positions(length: int, stride: int) -> List[int]:
