@@ -69,6 +69,8 @@ FIELD_RANGES: Dict[str, _Range] = {
     "optim.warmup_steps": _GE0, "optim.max_grad_norm": _GT0, "optim.micro_batch_size": _GE1, "optim.ppo_epochs": _GE1,
     "loss.norm_constant": _GT0, "loss.clip_low": _Range(0, 1, hi_open=True), "loss.clip_high": _GE0,
     "loss.dual_clip": _Range(1, lo_open=True), "loss.kl_coef": _GE0, "loss.epsilon_high": _Range(1),
+    "loss.clip_cov_ratio": _Range(0, 1, lo_open=True), "loss.kl_cov_ratio": _Range(0, 1, lo_open=True),
+    "loss.ppo_kl_coef": _GE0,
     "critic.lr": _GT0, "critic.steps": _GE1,
     "dapo.max_rounds": _GE1, "dapo.overlong_cache": _GE1,
     "log.eval_every": _GE1, "log.eval_samples": _GE0,

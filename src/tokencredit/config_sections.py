@@ -110,7 +110,7 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    policy_loss: str = "ppo"  # ppo | sapo | cispo (tokencredit.losses registry)
+    policy_loss: str = "ppo"  # ppo | sapo | cispo | clip_cov | kl_cov (tokencredit.losses registry)
     # None = the policy loss's own default: token-mean for ppo (verl's default, DAPO's token-level
     # loss), seq-mean-token-mean for sapo (as verl hard-codes it)
     agg_mode: Optional[str] = None
@@ -123,6 +123,15 @@ class LossConfig:
     importance_sampling_level: str = "token"
     # cispo: the cap on the importance weight (TRL's epsilon_high for loss_type="cispo"); None = 5.0
     epsilon_high: Optional[float] = None
+    # clip_cov: the share of tokens whose gradient is cut, drawn at random among those with
+    # clip_cov_lb < (A - mean A)(log p - mean log p) < clip_cov_ub; None = verl's 0.0002
+    clip_cov_ratio: Optional[float] = None
+    clip_cov_lb: Optional[float] = None  # clip_cov: lower end of the covariance band; None = verl's 1.0
+    clip_cov_ub: Optional[float] = None  # clip_cov: upper end of the covariance band; None = verl's 5.0
+    # kl_cov: the share of tokens of largest covariance (A - mean A)(log p - mean log p) that get the
+    # penalty ppo_kl_coef * |log ratio|; None = verl's 0.0002 (the authors' recipe for 7B: 0.002)
+    kl_cov_ratio: Optional[float] = None
+    ppo_kl_coef: Optional[float] = None  # kl_cov: the penalty's coefficient; None = verl's 0.1 (the authors' function: 1.0)
     kl_coef: float = 0.0  # TACO/DAPO recipe: no KL
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL to the reference)
 

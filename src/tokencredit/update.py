@@ -200,7 +200,8 @@ def policy_loss_config(loss, lc, credit=None, max_new_tokens=None):
     candidates = {"clip_low": lc.clip_low, "clip_high": lc.clip_high}
     # settings that are off by default: one that is set but that this loss has no field for would
     # be silently dropped, so it is an error instead
-    for k in ("dual_clip", "agg_mode", "norm_constant", "epsilon_high", "importance_sampling_level"):
+    for k in ("dual_clip", "agg_mode", "norm_constant", "epsilon_high", "importance_sampling_level",
+              "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef"):
         v = getattr(lc, k)
         if v is None or (k == "importance_sampling_level" and v == "token"):
             continue

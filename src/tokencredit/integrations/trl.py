@@ -75,6 +75,9 @@ from ..spec import CreditPipeline
 
 __all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION", "checkpointing_field", "checkpointing_args"]
 
+#: tokencredit's policy losses that TRL's GRPOTrainer lacks (refused by name as a loss_type)
+_NOT_IN_TRL = {"clip_cov": "Clip-Cov", "kl_cov": "KL-Cov"}
+
 #: the TRL minor version this integration was written and tested against
 TESTED_TRL_VERSION = "1.16"
 #: file written into every checkpoint folder
@@ -253,6 +256,12 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         uses_peft = peft_config is not None or _is_peft(model)
 
         if cfg is not None:
+            if cfg.loss_type in _NOT_IN_TRL:
+                raise ValueError(
+                    f"loss_type={cfg.loss_type!r}: TRL's GRPOTrainer has no {_NOT_IN_TRL[cfg.loss_type]} loss (it would fail "
+                    f"at the first loss); train it with tokencredit train --loss.policy-loss {cfg.loss_type} or verl's "
+                    f"policy_loss.loss_mode={cfg.loss_type}"
+                )
             scale = {True: "group", False: "none"}.get(cfg.scale_rewards, cfg.scale_rewards)
             if scale != "group":
                 raise ValueError(

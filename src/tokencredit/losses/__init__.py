@@ -3,13 +3,15 @@
 * :func:`aggregate` — token-mean / token-sum / seq-mean-token-mean / seq-mean-token-sum /
   seq-mean-token-sum-norm (Dr. GRPO);
 * policy losses by name (:func:`get_policy_loss`): ``ppo`` (clip-higher, dual-clip; GSPO's
-  sequence ratio with ``importance_sampling_level="sequence"``), ``sapo`` and ``cispo``;
+  sequence ratio with ``importance_sampling_level="sequence"``), ``sapo``, ``cispo``, and the
+  covariance losses ``clip_cov`` and ``kl_cov``;
 * :func:`kl_penalty` (k1, k2, k3) and :func:`add_kl_penalty`;
 * DAPO's reward-side pieces: :func:`overlong_penalty`, :func:`dynamic_sampling_filter`.
 """
 
 from .aggregation import AGG_MODES, aggregate
 from .cispo import CISPOLossConfig, cispo_loss
+from .cov import ClipCovLossConfig, KLCovLossConfig, clip_cov_loss, kl_cov_loss
 from .dapo import dynamic_sampling_filter, overlong_penalty
 from .kl import KL_KINDS, add_kl_penalty, kl_penalty
 from .policy import (
@@ -26,7 +28,11 @@ from .policy import (
 __all__ = [
     "AGG_MODES",
     "CISPOLossConfig",
+    "ClipCovLossConfig",
+    "KLCovLossConfig",
     "cispo_loss",
+    "clip_cov_loss",
+    "kl_cov_loss",
     "KL_KINDS",
     "PPOLossConfig",
     "PolicyLossInfo",
