@@ -290,3 +290,69 @@ def test_greedy_acc_is_an_accuracy_and_the_weighted_reward_is_eval_reward():
     assert m["eval/reward"] == pytest.approx(((1.0 - 0.125) + (0.0 - 0.375)) / 2)  # the weighted sum, as it was
     assert m["eval/mean@2"] == 0.5
     assert [s["reward"] for s in samples] == [pytest.approx(0.875), pytest.approx(-0.375)]
+
+
+# -- 7. user code is imported in the worker, and eval --run asks before running it ----------------
+
+_MARKS_IMPORT = (
+    "import os\n"
+    "with open({mark!r}, 'a') as f:\n"
+    "    f.write(str(os.getpid()) + '\\n')\n"
+    "def fn(completions, **kwargs):\n"
+    "    return [1.0] * len(completions)\n"
+    "def per_completion(completion, example):\n"
+    "    return 1.0\n"
+)
+
+
+def _marking_module(tmp_path, name="marks_import"):
+    mark = tmp_path / f"{name}.imported"
+    (tmp_path / f"{name}.py").write_text(_MARKS_IMPORT.format(mark=str(mark)))
+    return tmp_path / f"{name}.py", mark
+
+
+def test_a_reward_module_is_imported_in_the_worker_never_in_the_trainer(tmp_path, runner_of):
+    from tokencredit.rewards import load_reward_fn
+
+    path, mark = _marking_module(tmp_path)
+    funcs = load_reward_funcs([f"{path}:fn"])
+    assert funcs[0].name == "fn"
+    fn = load_reward_fn(f"{path}:per_completion")
+    assert fn.__name__ == "per_completion"
+    pids = [int(x) for x in mark.read_text().split()]
+    assert len(pids) == 2 and os.getpid() not in pids  # imported twice, each time in a worker
+    assert not [m for m in sys.modules.values() if getattr(m, "__file__", None) == str(path)]
+    r = runner_of(f"{path}:fn")
+    assert _score(r).values == [[1.0, 1.0, 1.0]]
+    assert os.getpid() not in [int(x) for x in mark.read_text().split()]
+
+
+def test_a_module_that_hangs_at_import_is_ended_in_one_line(tmp_path, monkeypatch):
+    import tokencredit.rewards as rewards
+
+    (tmp_path / "hangs_at_import.py").write_text("import time\ntime.sleep(1000)\ndef fn(completions, **kw):\n    return []\n")
+    monkeypatch.setattr(rewards, "LOAD_TIMEOUT_S", 1.0)
+    with pytest.raises(rewards.RewardFnError) as e:
+        load_reward_funcs([f"{tmp_path / 'hangs_at_import.py'}:fn"])
+    assert "importing it in the reward worker took more than 1 s and was ended" in str(e.value)
+    assert "\n" not in str(e.value)
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name == "tokencredit-reward"]
+
+
+def test_eval_run_names_the_reward_code_and_runs_it_only_when_trusted(tmp_path, tiny_cli):
+    path, mark = _marking_module(tmp_path)
+    data = _data_file(tmp_path)
+    code, err = _cli(["train", *_tiny_flags(tmp_path, data), "--reward.funcs", f"{path}:fn", "--steps", "1"])
+    assert code == 0, err
+    mark.unlink()  # the run imported it (in its worker); a folder someone sent would come without the file
+    out = tmp_path / "ev"
+    code, err = _cli(["eval", "--run", str(tmp_path / "run"), "--output-dir", str(out)])
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert f"reward.funcs {path}:fn" in line and "--trust-remote-code" in line
+    assert not mark.exists() and not out.exists()  # nothing imported, nothing written
+    code, err = _cli(["eval", "--run", str(tmp_path / "run"), "--output-dir", str(out), "--trust-remote-code"])
+    assert code == 0, err
+    assert f"reward.funcs {path}:fn" in err and mark.exists()

@@ -148,6 +148,14 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
     if out.resolve() == run or run in out.resolve().parents:
         raise ConfigError(f"--output-dir: expected a folder outside the run {str(run)!r}, got {str(out)!r}")
     cfg = dataclasses.replace(_from_dict(TrainConfig, saved, "config.json"), output_dir=str(out), resume=False)
+    from .rewards import user_code
+
+    code = user_code(cfg)  # a folder someone sent runs nothing of theirs unasked
+    if code and not args.trust_remote_code:
+        raise ConfigError(f"--run: {cfg_file} names reward code that eval would import and run: {'; '.join(code)}; "
+                          f"read it, then add --trust-remote-code to run it")
+    if code:
+        print(f"eval: running the reward code {cfg_file} names (--trust-remote-code): {'; '.join(code)}", file=sys.stderr)
     ck, state = load_latest_checkpoint(run / "checkpoints")
     trainer = Trainer(cfg)
     trainer.load_state_dict(state)
@@ -277,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output-dir", "--output_dir", dest="output_dir", default=None,
                    help="where the results go (default with --run: RUN-eval, next to the run)")
     e.add_argument("--config", default=None)
+    e.add_argument("--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
+                   help="with --run: import and run the reward code (reward.funcs, task.reward_fn) RUN's config.json names")
     e.set_defaults(func=_eval)
     c = sub.add_parser(
         "compare",

@@ -85,6 +85,7 @@ __all__ = [
     "per_sample_func",
     "reward_metrics",
     "runner_for",
+    "user_code",
 ]
 
 #: seconds a worker may take to import a reward function's module (not counted against a call)
@@ -105,36 +106,61 @@ class RewardFailure(RewardFnError):
 # ---------------------------------------------------------------------------------------------
 
 
-def _import_target(import_path: str, field_name: str) -> Tuple[Any, tuple]:
-    """'pkg.mod:fn' / 'path/file.py:fn' / 'mod:Class.method' -> (the object, the reference a worker
-    process loads it by). A module that is not importable by name is looked up as a file
-    relative to the current directory (``my_rewards:fn`` next to the data)."""
+_SPEC_HINT = "expected 'package.module:function' or 'file.py:function'"
+
+
+def _parse_target(import_path: str, field_name: str) -> tuple:
+    """'pkg.mod:fn' / 'path/file.py:fn' / 'mod:Class.method' -> the reference a worker process
+    loads it by, importing nothing: ``("file", path, attr)`` or ``("module", name, attr, local)``,
+    ``local`` the file ``name`` names relative to the current directory (``my_rewards:fn`` next
+    to the data), loaded when no module of that name can be imported."""
     if not isinstance(import_path, str) or ":" not in import_path:
-        raise RewardFnError(f"{field_name}: expected 'package.module:function' or 'file.py:function', got {import_path!r}")
+        raise RewardFnError(f"{field_name}: {_SPEC_HINT}, got {import_path!r}")
     module_name, _, attr = import_path.rpartition(":")
     if not module_name or not attr:
-        raise RewardFnError(f"{field_name}: expected 'package.module:function' or 'file.py:function', got {import_path!r}")
+        raise RewardFnError(f"{field_name}: {_SPEC_HINT}, got {import_path!r}")
     if module_name.endswith(".py"):
-        ref: tuple = ("file", os.path.abspath(module_name), attr)
-    else:
-        try:
-            found = importlib.util.find_spec(module_name) is not None
-        except (ImportError, ValueError):
-            found = False
-        local = Path(*module_name.split(".")).with_suffix(".py")
-        ref = ("module", module_name, attr) if found or not local.is_file() else ("file", str(local.resolve()), attr)
+        return ("file", os.path.abspath(module_name), attr)
+    local = Path(*module_name.split(".")).with_suffix(".py")
+    return ("module", module_name, attr, str(local.resolve()) if local.is_file() else None)
+
+
+class _MissingAttribute(AttributeError):
+    """The module has no such attribute (told apart from an AttributeError its import raised)."""
+
+
+def _info_of(obj: Any) -> Dict[str, Any]:
+    """What the trainer checks of a loaded function (computed where it was imported: the worker)."""
+    info: Dict[str, Any] = {"callable": callable(obj), "type": type(obj).__name__, "name": _callable_name(obj),
+                            "params": None, "var_kw": False, "binds_pair": None}
     try:
-        obj = _resolve(ref)
-    except AttributeError as e:
-        raise RewardFnError(f"{field_name} {import_path!r}: {e}") from None
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return info
+    info["params"] = list(sig.parameters)
+    info["var_kw"] = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    try:
+        sig.bind("completion", None)
+        info["binds_pair"] = ""
+    except TypeError as e:
+        info["binds_pair"] = str(e)
+    return info
+
+
+class _LoadError(Exception):
+    """A function that cannot be loaded; ``str()`` is the one line to show."""
+
+
+def _load(ref: tuple) -> Tuple[Callable, Dict[str, Any]]:
+    """Import ``ref``'s function in this process (the worker) -> (it, :func:`_info_of` it); a
+    failure is a :class:`_LoadError` naming the module."""
+    try:
+        fn = _resolve(ref)
+    except _MissingAttribute as e:
+        raise _LoadError(str(e)) from None
     except Exception as e:
-        where = ref[1]
-        raise RewardFnError(
-            f"{field_name} {import_path!r}: cannot import module {where!r} ({type(e).__name__}: {_one_line(str(e))})"
-        ) from e
-    if not callable(obj):
-        raise RewardFnError(f"{field_name} {import_path!r}: {attr!r} is a {type(obj).__name__}, not callable")
-    return obj, ref
+        raise _LoadError(f"cannot import module {ref[1]!r} ({_describe(e)})") from None
+    return fn, _info_of(fn)
 
 
 def _load_file_module(path: str):
@@ -155,7 +181,7 @@ def _load_file_module(path: str):
 
 
 def _resolve(ref: tuple) -> Any:
-    """A reference (see :func:`_import_target`, :class:`RewardFunc`) -> the callable."""
+    """A reference (see :func:`_parse_target`, :class:`RewardFunc`) -> the callable."""
     kind = ref[0]
     if kind == "object":
         return ref[1]
@@ -168,11 +194,20 @@ def _resolve(ref: tuple) -> Any:
         if inner is math_reward:
             _warm_math_verify()
         return partial(_per_sample, inner, ref[2])
-    module = importlib.import_module(ref[1]) if kind == "module" else _load_file_module(ref[1])
+    if kind == "module":
+        try:
+            module = importlib.import_module(ref[1])
+        except ModuleNotFoundError as e:  # no such module: the file of that name, if there is one
+            local = ref[3] if len(ref) > 3 else None
+            if local is None or not (e.name == ref[1] or ref[1].startswith(f"{e.name}.")):
+                raise
+            module = _load_file_module(local)
+    else:
+        module = _load_file_module(ref[1])
     obj: Any = module
     for part in ref[2].split("."):
         if not hasattr(obj, part):
-            raise AttributeError(f"module {ref[1]!r} has no attribute {ref[2]!r}")
+            raise _MissingAttribute(f"module {ref[1]!r} has no attribute {ref[2]!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -186,32 +221,79 @@ def _warm_math_verify() -> None:
         pass
 
 
+def _loaded_info(specs_refs: Sequence[Tuple[int, str, tuple]], field_name: str, worker: Optional["_Worker"] = None,
+                 in_process: bool = False) -> Dict[int, Dict[str, Any]]:
+    """Import each ``(key, spec, ref)`` and return its :func:`_info_of` by key: in ``worker`` (a
+    temporary one when None, ended after), each import bounded by :data:`LOAD_TIMEOUT_S`, so that
+    user code never runs in this process; ``in_process``: here (verl's reward process, which
+    imports its ``custom_reward_function`` itself). One line naming the function for a failure."""
+    out: Dict[int, Dict[str, Any]] = {}
+    if in_process:
+        for key, spec, ref in specs_refs:
+            try:
+                out[key] = _load(ref)[1]
+            except _LoadError as e:
+                raise RewardFnError(f"{field_name} {spec!r}: {e}") from None
+        return out
+    w = worker if worker is not None else _Worker()
+    try:
+        for key, spec, ref in specs_refs:
+            reply = w.request(("load", key, ref, list(sys.path), os.getcwd()), LOAD_TIMEOUT_S)
+            if reply is None:
+                raise RewardFnError(f"{field_name} {spec!r}: importing it in the reward worker took more than "
+                                    f"{LOAD_TIMEOUT_S:g} s and was ended")
+            if reply[0] != "ok":
+                raise RewardFnError(f"{field_name} {spec!r}: {_one_line(str(reply[1]))}")
+            w.loaded.add(key)
+            out[key] = reply[1]
+    except BaseException:
+        w.kill()
+        raise
+    finally:
+        if worker is None:
+            w.kill()
+    return out
+
+
+class _UserFunction:
+    """A user's function by reference, imported where it is first called: the trainer hands the
+    reference to its reward worker and never calls it itself (``__tokencredit_ref__``)."""
+
+    def __init__(self, ref: tuple, name: str):
+        self.__tokencredit_ref__ = ref
+        self.__name__ = self.__qualname__ = name
+        self._fn: Optional[Callable] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fn is None:
+            self._fn = _resolve(self.__tokencredit_ref__)
+        return self._fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<reward function {self.__name__} from {self.__tokencredit_ref__[1]}>"
+
+
 def load_reward_fn(import_path: str) -> Callable:
     """A per-completion reward ``fn(completion, example) -> float`` (``task.reward_fn``), by
-    'package.module:function' or 'path/to/file.py:function'. A function written for TRL's
-    contract (``completions`` first, or only keyword arguments) is refused with a pointer to
-    ``--reward.funcs``."""
-    obj, ref = _import_target(import_path, "reward_fn")
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        sig = None
-    if sig is not None:
-        names = list(sig.parameters)
+    'package.module:function' or 'path/to/file.py:function', imported and checked in a reward
+    worker process (never here): the callable returned imports it where it is first called. A
+    function written for TRL's contract (``completions`` first, or only keyword arguments) is
+    refused with a pointer to ``--reward.funcs``."""
+    ref = _parse_target(import_path, "reward_fn")
+    info = _loaded_info([(0, import_path, ref)], "reward_fn")[0]
+    if not info["callable"]:
+        raise RewardFnError(f"reward_fn {import_path!r}: {ref[2]!r} is a {info['type']}, not callable")
+    names = info["params"]
+    if names is not None:
         if names and names[0] in ("prompts", "completions", "completion_ids"):
             raise RewardFnError(
                 f"reward_fn {import_path!r}: takes TRL's arguments ({names[0]}, ...); give it as "
                 f"--reward.funcs {import_path} (task.reward_fn takes fn(completion, example))"
             )
-        try:
-            sig.bind("completion", None)
-        except TypeError as e:
-            raise RewardFnError(f"reward_fn {import_path!r}: must accept (completion, example), its signature does not ({e})") from e
-    try:
-        obj.__tokencredit_ref__ = ref  # how a worker process loads it
-    except (AttributeError, TypeError):
-        pass
-    return obj
+        if info["binds_pair"]:
+            raise RewardFnError(f"reward_fn {import_path!r}: must accept (completion, example), its signature does not "
+                                f"({info['binds_pair']})")
+    return _UserFunction(ref, info["name"])
 
 
 @dataclass
@@ -233,14 +315,18 @@ def _callable_name(fn: Any) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def load_reward_funcs(specs: Sequence[str], weights: Sequence[float] = (), answer_column: str = "answer") -> List[RewardFunc]:
-    """``--reward.funcs`` / ``--reward.weights`` -> the functions, each imported and checked here
-    (before any model loads): a built-in name (:data:`BUILTINS`, grading against
-    ``answer_column``), 'package.module:function' or 'file.py:function' taking TRL's keyword
-    arguments. One line naming the function for anything that cannot work."""
+def load_reward_funcs(specs: Sequence[str], weights: Sequence[float] = (), answer_column: str = "answer", *,
+                      worker: Optional["_Worker"] = None, in_process: bool = False) -> List[RewardFunc]:
+    """``--reward.funcs`` / ``--reward.weights`` -> the functions, each imported and checked now
+    (before any model loads) in a reward worker process (``worker``, which keeps them loaded for
+    the run; a temporary one when None), never in this one (``in_process``: here, for verl's
+    reward process): a built-in name (:data:`BUILTINS`, grading against ``answer_column``),
+    'package.module:function' or 'file.py:function' taking TRL's keyword arguments. One line
+    naming the function for anything that cannot work."""
     if weights and len(weights) != len(specs):
         raise RewardFnError(f"reward.weights: expected {len(specs)} weights, one per reward.funcs entry, got {len(weights)}")
     out: List[RewardFunc] = []
+    user: List[Tuple[int, str, tuple]] = []
     for i, spec in enumerate(specs):
         w = float(weights[i]) if weights else 1.0
         if not isinstance(spec, str) or not spec.strip():
@@ -250,20 +336,21 @@ def load_reward_funcs(specs: Sequence[str], weights: Sequence[float] = (), answe
             continue
         if ":" not in spec:
             raise RewardFnError(f"reward.funcs: expected a built-in name ({', '.join(BUILTINS)}) or 'module:function', got {spec!r}")
-        obj, ref = _import_target(spec, "reward.funcs")
-        try:
-            sig = inspect.signature(obj)
-        except (TypeError, ValueError):
-            sig = None
-        if sig is not None:
-            params = sig.parameters
-            has_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-            if "completions" not in params and not has_kw:
-                raise RewardFnError(
-                    f"reward.funcs {spec!r}: expected a function of TRL's keyword arguments (prompts, completions, "
-                    f"completion_ids, the row's columns, **kwargs), got one with parameters ({', '.join(params)})"
-                )
-        out.append(RewardFunc(name=_callable_name(obj), ref=ref, weight=w, spec=spec))
+        ref = _parse_target(spec, "reward.funcs")
+        user.append((i, spec, ref))
+        out.append(RewardFunc(name=ref[2].rsplit(".", 1)[-1], ref=ref, weight=w, spec=spec))
+    infos = _loaded_info(user, "reward.funcs", worker, in_process) if user else {}
+    for i, info in infos.items():
+        f = out[i]
+        if not info["callable"]:
+            raise RewardFnError(f"reward.funcs {f.spec!r}: {f.ref[2]!r} is a {info['type']}, not callable")
+        params = info["params"]
+        if params is not None and "completions" not in params and not info["var_kw"]:
+            raise RewardFnError(
+                f"reward.funcs {f.spec!r}: expected a function of TRL's keyword arguments (prompts, completions, "
+                f"completion_ids, the row's columns, **kwargs), got one with parameters ({', '.join(params)})"
+            )
+        f.name = info["name"]
     names = [f.name for f in out]
     for f in out:  # two functions of one name would log into one metric
         if names.count(f.name) > 1:
@@ -347,8 +434,12 @@ def _worker_main(conn) -> None:
                 sys.path[:] = sys_path
                 if os.getcwd() != cwd:
                     os.chdir(cwd)
-                funcs[key] = _resolve(ref)
-                conn.send(("ok", None, None))
+                try:
+                    funcs[key], info = _load(ref)
+                except _LoadError as e:
+                    conn.send(("error", str(e), traceback.format_exc()))
+                    continue
+                conn.send(("ok", info, None))
             else:
                 _, key, kwargs, n = msg
                 metrics: Dict[str, float] = {}
@@ -474,13 +565,14 @@ class RewardRunner:
     :class:`RewardFailure` once a function has failed on every completion of
     ``max_failing_steps`` consecutive steps. ``close()`` ends the worker (also done at exit)."""
 
-    def __init__(self, funcs: Sequence[RewardFunc], timeout_s: float = 5.0, max_failing_steps: int = 2):
+    def __init__(self, funcs: Sequence[RewardFunc], timeout_s: float = 5.0, max_failing_steps: int = 2,
+                 worker: Optional[_Worker] = None):
         if not funcs:
             raise ValueError("reward funcs: expected at least one reward function, got none")
         self.funcs = list(funcs)
         self.timeout_s = float(timeout_s)
         self.max_failing_steps = int(max_failing_steps)
-        self._worker = _Worker()
+        self._worker = worker if worker is not None else _Worker()  # (load_reward_funcs' worker: loaded already)
         self._streak = [0] * len(self.funcs)
         self._worked = [False] * len(self.funcs)  # scored (did not fail) on a completion of some step
         self._steps = 0
@@ -615,6 +707,21 @@ def _row_id(examples: Sequence[Any], i: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def user_code(cfg: Any) -> List[str]:
+    """The user code a run's config (a TrainConfig) names, as ``"reward.funcs SPEC"`` /
+    ``"task.reward_fn SPEC"`` (a file with its absolute path): what evaluating it would import
+    and run (``tokencredit eval --run`` asks for ``--trust-remote-code`` first)."""
+    named = [("reward.funcs", s) for s in (cfg.reward.funcs or ()) if s not in BUILTINS]
+    if cfg.task.reward_fn is not None:
+        named.append(("task.reward_fn", cfg.task.reward_fn))
+    out = []
+    for field_name, spec in named:
+        module = str(spec).rpartition(":")[0]
+        where = os.path.abspath(module) if module.endswith(".py") else None
+        out.append(f"{field_name} {spec}" + (f" ({where})" if where and where != module else ""))
+    return out
+
+
 def runner_for(cfg: Any, task: Any) -> RewardRunner:
     """The reward functions of a run (``cfg``: a TrainConfig, ``task``: its Task), checked and
     imported here, before any model loads: ``reward.funcs`` with ``reward.weights``, else the
@@ -627,7 +734,10 @@ def runner_for(cfg: Any, task: Any) -> RewardRunner:
                 f"reward.funcs: the built-in {builtins[0]!r} grades against a reference answer, and the data has "
                 f"none (set data.answer_column to the column that holds it)"
             )
-        funcs = load_reward_funcs(rc.funcs, rc.weights, answer_column=task.answer_column or "answer")
+        worker = _Worker()  # the run's: the functions are imported there, and stay loaded
+        funcs = load_reward_funcs(rc.funcs, rc.weights, answer_column=task.answer_column or "answer", worker=worker)
+        return RewardRunner(funcs, timeout_s=cfg.task.reward_timeout_s, max_failing_steps=rc.max_failing_steps,
+                            worker=worker)
     else:
         if not getattr(task, "has_default_reward", True):
             raise RewardFnError(

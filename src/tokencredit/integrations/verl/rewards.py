@@ -43,7 +43,7 @@ def _functions(funcs: Sequence[str], weights: Optional[Sequence[float]], answer_
     if key not in _CACHE:
         if isinstance(funcs, str) or not funcs:
             raise RewardFnError(f"reward_kwargs.funcs: expected a list of reward functions ('module:function' or a built-in), got {funcs!r}")
-        loaded = load_reward_funcs(list(funcs), list(weights or ()), answer_column=answer_column)
+        loaded = load_reward_funcs(list(funcs), list(weights or ()), answer_column=answer_column, in_process=True)
         _CACHE[key] = [(f.name, _resolve(f.ref), f.weight) for f in loaded]
     return _CACHE[key]
 
