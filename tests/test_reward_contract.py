@@ -356,3 +356,106 @@ def test_eval_run_names_the_reward_code_and_runs_it_only_when_trusted(tmp_path, 
     code, err = _cli(["eval", "--run", str(tmp_path / "run"), "--output-dir", str(out), "--trust-remote-code"])
     assert code == 0, err
     assert f"reward.funcs {path}:fn" in err and mark.exists()
+
+
+# -- 8. one reward contract for every trainer on a verl-layout parquet ----------------------------
+
+_CONTRACT_EXTRA = ("prompts", "completion_ids", "trainer_state", "log_metric", "log_extra", "environments")
+
+
+def verl_style(completions, ground_truth, data_source, extra_info, **kwargs):
+    """A verl-style function in TRL's form: records what it was given (one JSON line per
+    completion, in the file its rows name) and scores 1.0 when the completion holds the truth."""
+    rows = {k: v for k, v in kwargs.items() if k not in _CONTRACT_EXTRA}
+    with open(extra_info[0]["record"], "a") as f:
+        for i, c in enumerate(completions):
+            seen = {"ground_truth": ground_truth[i], "data_source": data_source[i], "extra_info": extra_info[i],
+                    **{k: v[i] for k, v in rows.items()}}
+            f.write(json.dumps({"row": seen, "completion": [sorted(m) for m in c] if isinstance(c, list) else type(c).__name__},
+                               sort_keys=True) + "\n")
+    return [1.0 if str(g) in c[-1]["content"] else 0.0 for c, g in zip(completions, ground_truth)]
+
+
+def _verl_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    record = str(tmp_path / "seen.jsonl")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "data_source": f"toy{i % 2}",
+             "reward_model": {"ground_truth": str(i + 1), "style": "rule"},
+             "extra_info": {"index": i, "split": "train", "record": record}} for i in range(6)]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path, Path(record), rows
+
+
+def _seen(record: Path):
+    out = {}
+    for line in record.read_text().splitlines():
+        r = json.loads(line)
+        out.setdefault(r["row"]["extra_info"]["index"], set()).add(json.dumps(r, sort_keys=True))
+    record.unlink()
+    return out
+
+
+def test_one_verl_style_function_gets_the_same_arguments_in_train_trl_and_verl(tmp_path):
+    """The verl adapter's reading of the verl layout is the reference (ground_truth from
+    reward_model, data_source, extra_info and its keys as columns, conversational completions):
+    `train` and TokenCreditGRPOTrainer give the same function the same keyword arguments."""
+    import importlib.util
+    from functools import partial
+
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+
+    import tokencredit
+    from tokencredit.config import DataConfig, LogConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TrainConfig
+    from tokencredit.integrations.trl import TokenCreditGRPOTrainer, checkpointing_args
+    from tokencredit.testing import tiny_model_and_tokenizer
+    from tokencredit.trainer import Trainer
+
+    path, record, rows = _verl_parquet(tmp_path)
+
+    # verl: its reward manager calls the adapter once per response (naive.py's arguments and additions)
+    spec = importlib.util.spec_from_file_location("custom_module", Path(tokencredit.__file__).parent / "integrations" / "verl" / "rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    compute_score = partial(module.compute_score, funcs=["test_reward_contract:verl_style"])
+    for row in datasets.Dataset.from_parquet(str(path)):
+        extra_info = dict(row["extra_info"], num_turns=None, rollout_reward_scores={})
+        out = compute_score(data_source=row["data_source"], solution_str=f"so {row['reward_model']['ground_truth']}",
+                            ground_truth=row["reward_model"]["ground_truth"], extra_info=extra_info)
+        assert out["score"] == 1.0
+    verl = _seen(record)
+    assert sorted(verl) == list(range(6))
+
+    # the own trainer
+    cfg = TrainConfig(
+        steps=1, output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"),
+        data=DataConfig(path=str(path), eval_fraction=0.2), reward=RewardConfig(funcs=("test_reward_contract:verl_style",)),
+        rollout=RolloutConfig(prompts_per_step=3, samples_per_prompt=2, max_new_tokens=3, temperature=1.0),
+        optim=OptimConfig(micro_batch_size=6),
+        log=LogConfig(eval_every=100, eval_samples=0, progress=False, eval_at_start=False, save_rollouts=False),
+    )
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    Trainer(cfg, model=model, tokenizer=tok).train()
+    own = _seen(record)
+
+    # the TRL subclass
+    model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=2.0)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, max_steps=1, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=3, report_to="none", save_strategy="no", disable_tqdm=True,
+                      seed=0, **checkpointing_args(False))
+    TokenCreditGRPOTrainer(model=model, reward_funcs=verl_style, args=args, processing_class=tok,
+                           train_dataset=datasets.Dataset.from_parquet(str(path))).train()
+    trl = _seen(record)
+
+    for name, got in (("train", own), ("TokenCreditGRPOTrainer", trl)):
+        assert got, name
+        for index, seen in got.items():
+            assert seen == verl[index], (name, index, seen, verl[index])
+    (first,) = verl[0]
+    assert json.loads(first)["row"] == {"ground_truth": "1", "data_source": "toy0", "index": 0, "split": "train",
+                                        "record": str(record), "extra_info": {"index": 0, "split": "train", "record": str(record)}}
+    assert json.loads(first)["completion"] == [["content", "role"]]  # one assistant message

@@ -17,12 +17,20 @@ import tokencredit
 ADAPTER = Path(tokencredit.__file__).parent / "integrations" / "verl" / "rewards.py"
 
 
+def _text(c):  # verl's prompts are conversations: a completion is one assistant message, as in TRL
+    return c if isinstance(c, str) else c[-1]["content"]
+
+
 def correct(completions, solution, **kwargs):
-    return [1.0 if str(s) in c else 0.0 for c, s in zip(completions, solution)]
+    return [1.0 if str(s) in _text(c) else 0.0 for c, s in zip(completions, solution)]
 
 
 def shorter(completions, **kwargs):
-    return [-len(c) / 100 for c in completions]
+    return [-len(_text(c)) / 100 for c in completions]
+
+
+def string_only(completions, **kwargs):
+    return [float(isinstance(c, str)) for c in completions]
 
 
 def not_applicable(completions, **kwargs):
@@ -66,3 +74,10 @@ def test_what_verl_does_not_pass_fails_loudly():
     fn = _verl_loads({"funcs": ["test_rewards_verl_adapter:needs_ids"]})
     with pytest.raises(TypeError):  # completion_ids are None in verl: an error, never a wrong value
         fn(data_source="x", solution_str="abc", ground_truth="1", extra_info={})
+
+
+def test_completions_are_messages_unless_asked_for_strings():
+    msgs = _verl_loads({"funcs": ["test_rewards_verl_adapter:string_only"]})
+    assert msgs(data_source="x", solution_str="abc", ground_truth="1", extra_info={})["score"] == 0.0
+    plain = _verl_loads({"funcs": ["test_rewards_verl_adapter:string_only"], "conversational": False})
+    assert plain(data_source="x", solution_str="abc", ground_truth="1", extra_info={})["score"] == 1.0

@@ -83,6 +83,8 @@ __all__ = [
     "math_accuracy",
     "numeric_accuracy",
     "per_sample_func",
+    "answer_key",
+    "reward_columns",
     "reward_metrics",
     "runner_for",
     "user_code",
@@ -99,6 +101,44 @@ class RewardFnError(ValueError):
 
 class RewardFailure(RewardFnError):
     """A reward function failed on every completion of several consecutive steps."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The columns a function receives
+# ---------------------------------------------------------------------------------------------
+
+#: what verl's reward managers add to a row's ``extra_info`` (left out where empty: not data)
+_VERL_ADDED = {"num_turns": None, "rollout_reward_scores": {}}
+
+
+def reward_columns(row: Mapping[str, Any]) -> Dict[str, Any]:
+    """A row's columns as reward functions receive them, the same in ``train``,
+    ``TokenCreditGRPOTrainer`` and verl (:mod:`tokencredit.integrations.verl.rewards`, whose
+    reading of verl's layout is the reference). A verl-layout row (``reward_model`` a mapping
+    with ``ground_truth``) gives ``ground_truth``, ``data_source``, ``extra_info`` (as a mapping)
+    and each ``extra_info`` key as a column (a row column of that name wins); ``reward_model``
+    itself is not passed (verl passes only its ground truth), nor what verl's reward manager adds
+    to ``extra_info`` when empty (``num_turns``, ``rollout_reward_scores``). Any other row is
+    passed as it is (TRL: every column). A new dict."""
+    rm = row.get("reward_model")
+    if not (isinstance(rm, Mapping) and "ground_truth" in rm):
+        return dict(row)
+    out = {k: v for k, v in row.items() if k != "reward_model"}
+    extra = row.get("extra_info")
+    if isinstance(extra, Mapping):
+        extra = {str(k): v for k, v in extra.items() if not (k in _VERL_ADDED and v == _VERL_ADDED[k])}
+        out["extra_info"] = extra
+        for k, v in extra.items():
+            out.setdefault(k, v)
+    out["ground_truth"] = rm["ground_truth"]
+    return out
+
+
+def answer_key(answer_column: Optional[str]) -> Optional[str]:
+    """The keyword argument that holds the reference answer of the column ``answer_column``
+    (``data.answer_column``): verl's ``reward_model.ground_truth`` is ``ground_truth``
+    (:func:`reward_columns`)."""
+    return "ground_truth" if answer_column == "reward_model.ground_truth" else answer_column
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,7 +655,7 @@ class RewardRunner:
         :class:`~tokencredit.tasks.Example`: its ``columns()`` are the keyword arguments) after
         ``prompts[i]``."""
         n = len(completions)
-        rows = [ex.columns() for ex in examples]
+        rows = [reward_columns(ex.columns()) for ex in examples]
         keys = list(rows[0]) if rows else []
         F = len(self.funcs)
         values = [[math.nan] * n for _ in range(F)]
@@ -735,7 +775,7 @@ def runner_for(cfg: Any, task: Any) -> RewardRunner:
                 f"none (set data.answer_column to the column that holds it)"
             )
         worker = _Worker()  # the run's: the functions are imported there, and stay loaded
-        funcs = load_reward_funcs(rc.funcs, rc.weights, answer_column=task.answer_column or "answer", worker=worker)
+        funcs = load_reward_funcs(rc.funcs, rc.weights, answer_column=answer_key(task.answer_column) or "answer", worker=worker)
         return RewardRunner(funcs, timeout_s=cfg.task.reward_timeout_s, max_failing_steps=rc.max_failing_steps,
                             worker=worker)
     else:

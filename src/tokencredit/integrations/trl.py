@@ -14,9 +14,11 @@ Three lines change in a TRL script::
 How it hooks in (checked against TRL 1.16.0; the private names are checked when the trainer is
 built and a missing one fails with the installed TRL version in the message):
 
-* ``_calculate_rewards`` is wrapped: it still runs TRL's reward functions; the returned
-  [N, n_funcs] rewards (gathered over processes) are kept, so the estimator sees the raw
-  weighted reward sum, not TRL's normalised advantage.
+* ``_calculate_rewards`` is wrapped: it still runs TRL's reward functions, on the rows as
+  ``tokencredit train`` and the verl adapter give them (a verl-layout row's ``ground_truth`` and
+  ``extra_info`` keys as columns: :func:`tokencredit.rewards.reward_columns`; any other row as
+  TRL passes it); the returned [N, n_funcs] rewards (gathered over processes) are kept, so the
+  estimator sees the raw weighted reward sum, not TRL's normalised advantage.
 * ``_generate_and_score_completions`` calls TRL's, then computes the signals the spec declares
   (``CreditPipeline.required_signals``, nothing else), builds a :class:`CreditBatch` over the
   whole generation batch of every process (groups of ``num_generations`` consecutive
@@ -333,6 +335,11 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
 
     # -- TRL hooks -------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # the columns as every trainer gives them (verl's layout: ground_truth, extra_info's keys;
+        # tokencredit.rewards.reward_columns); other rows pass unchanged, as TRL passes them
+        from ..rewards import reward_columns
+
+        inputs = [reward_columns(x) for x in inputs]
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._tc_rewards_per_func = rewards_per_func
         return rewards_per_func
