@@ -113,6 +113,11 @@ def test_a_tensor_replaced_by_a_scalar_is_refused_never_broadcast(tmp_path, tiny
     assert want in err and "step_00000002" in err and not (tmp_path / "exp").exists()
     with pytest.raises(CheckpointError, match=r"step_00000002"):
         export_run(str(out), str(tmp_path / "exp"), checkpoint=2)
+    # fidelity's run loader (fidelity build/score RUN --checkpoint): refused, never broadcast
+    from tokencredit.fidelity.cli import FidelityError, _load_run
+
+    with pytest.raises(FidelityError, match=r"expected a float32 tensor of shape"):
+        _load_run(out, _ck(out, 2))
     # resume: step 2 is refused with a warning, step 1 is used, and no weight is all zeros
     tr = _trainer(_cfg(out, "grpo", steps=2, resume=True))
     with pytest.warns(CheckpointWarning, match=r"step_00000002.*expected a float32 tensor"):

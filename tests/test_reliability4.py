@@ -266,7 +266,8 @@ def test_eval_scores_every_row_of_the_given_file_and_says_how_many(tmp_path, tin
 
 def test_eval_of_a_run_says_how_many_rows_it_scored(tmp_path, tiny_cli, capsys):
     run = tmp_path / "run"
-    assert _cli(["train", "--steps", "1", "--output-dir", str(run)] + TINY_FLAGS)[0] == 0
+    builtin = [f for f in TINY_FLAGS if f != "--task.reward-fn" and not f.endswith(":crc_reward")]  # no user code to trust
+    assert _cli(["train", "--steps", "1", "--output-dir", str(run)] + builtin)[0] == 0
     capsys.readouterr()
     code, metrics, err = _eval(capsys, ["--run", str(run)])
     assert code == 0, err
@@ -317,3 +318,119 @@ def test_eval_takes_a_lora_export_folder_that_from_pretrained_loads(tmp_path, lo
                                         "--log.eval-samples", "0", "--log.no-progress"])
     assert code == 0, err
     assert metrics["eval/rows"] == 2
+
+
+# == 11. one line where a traceback or a quiet surprise was ==================================
+
+
+def test_device_cuda_without_cuda_is_one_line_before_the_model_loads(tmp_path, no_model_loading, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch, on any machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    out = tmp_path / "run"
+    code, err = _cli(["train", "--device", "cuda", "--output-dir", str(out)] + TINY_FLAGS)
+    assert _one_line(code, err, "tokencredit train: device: ") == (
+        f"tokencredit train: device: expected auto or cpu (this torch {torch.__version__} sees no CUDA device), got 'cuda'")
+    assert not out.exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU: cuda:1 is not there
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, err = _cli(["train", "--device", "cuda:1", "--output-dir", str(out)] + TINY_FLAGS)
+    assert _one_line(code, err, "tokencredit train: device: ") == (
+        "tokencredit train: device: expected auto, cpu, cuda or cuda:0 (1 CUDA device), got 'cuda:1'")
+
+
+def test_a_reward_timeout_too_large_to_wait_for_is_one_line_at_validation(tmp_path, no_model_loading):
+    out = tmp_path / "run"
+    code, err = _cli(["train", "--task.reward-timeout-s", "1e300", "--output-dir", str(out)] + TINY_FLAGS)
+    assert _one_line(code, err, "tokencredit train: ") == (
+        "tokencredit train: task.reward_timeout_s: expected a finite number > 0 and <= 86400, got 1e+300")
+    assert not out.exists()  # nothing that would need --overwrite
+
+
+@pytest.mark.parametrize("cut", ["header", "half", "end"])
+def test_a_truncated_model_safetensors_is_one_line_naming_the_file(tmp_path, cut):
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: {"header": 100, "half": len(data) // 2, "end": len(data) - 10}[cut]])
+    code, err = _cli(["train", "--model.name", str(tmp_path / "m"), "--output-dir", str(tmp_path / "run")] + TINY_FLAGS[2:])
+    line = _one_line(code, err, f"tokencredit train: model.name: expected whole safetensors files in {str(tmp_path / 'm')!r}, "
+                                f"got {str(f)!r}, damaged or truncated (")
+    assert "SafetensorError" in line, line
+
+
+def test_overwrite_under_a_read_only_parent_is_one_line(tmp_path, tiny_cli, monkeypatch):
+    import errno
+    import pathlib
+
+    out = tmp_path / "run"
+    assert _cli(["train", "--steps", "1", "--output-dir", str(out)] + TINY_FLAGS)[0] == 0
+    real = pathlib.Path.mkdir
+
+    def read_only(self, *a, **k):  # the parent refuses new entries (root ignores chmod, so it is simulated)
+        if self.parent == tmp_path and not self.exists():
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    import tokencredit.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
+    code, err = _cli(["train", "--steps", "1", "--overwrite", "--output-dir", str(out)] + TINY_FLAGS)
+    assert _one_line(code, err, "tokencredit train: ") == (
+        f"tokencredit train: overwrite: expected to move the old run aside into {str(tmp_path / 'run.old-1')!r}, got "
+        f"PermissionError (Permission denied); make {str(tmp_path)!r} writable, or choose another --output-dir")
+    assert _steps(out) == [1.0]  # the old run is where it was
+
+
+def test_a_yaml_key_given_twice_is_refused_naming_it(tmp_path, no_model_loading):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("steps: 5\nrollout:\n  temperature: 0.7\n  max_new_tokens: 8\n  temperature: 1.0\n")
+    code, err = _cli(["train", "--config", str(cfg), "--output-dir", str(tmp_path / "run")] + TINY_FLAGS)
+    assert _one_line(code, err, "tokencredit train: ") == (
+        f"tokencredit train: --config: {cfg}: key 'rollout.temperature' given twice (lines 3 and 5); keep one")
+    from tokencredit.config import load_yaml_bounded
+
+    # a merge key overriding is no duplicate
+    assert load_yaml_bounded("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n", "t")["b"] == {"x": 3, "y": 2}
+
+
+def test_a_duplicate_csv_column_is_refused_naming_it(tmp_path, no_model_loading):
+    data = tmp_path / "rows.csv"
+    data.write_text("prompt,answer,prompt\nWhat is 1 + 1?,2,ignored\nWhat is 2 + 1?,3,ignored\n")
+    code, err = _cli(["train", "--data.path", str(data), "--output-dir", str(tmp_path / "run")] + DATA_FLAGS)
+    assert _one_line(code, err, "tokencredit train: ") == (
+        f"tokencredit train: data.path: expected distinct column names in {str(data)!r}, got 'prompt' twice "
+        f"(columns 1 and 3); rename one")
+
+
+def inf_logging_reward(completions, log_metric, **kwargs):
+    log_metric("big", float("inf"))
+    return [float(len(c) % 2) for c in completions]
+
+
+def test_log_metric_of_inf_writes_null_not_infinity_and_says_so(tmp_path, tiny_cli):
+    out = tmp_path / "run"
+    flags = [f for f in TINY_FLAGS if f != "--task.reward-fn" and not f.endswith(":crc_reward")]  # reward.funcs instead
+    code, err = _cli(["train", "--steps", "1", "--output-dir", str(out), "--reward.funcs",
+                      "test_reliability4:inf_logging_reward"] + flags)
+    assert code == 0, err
+
+    def strict(c):
+        raise ValueError(f"not JSON: {c}")
+
+    rows = [json.loads(line, parse_constant=strict) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["rewards/extra/big"] is None
+    assert "warning: metrics.jsonl: rewards/extra/big is inf, not a JSON number; written as null" in err.splitlines()
+
+
+def test_compare_report_only_on_a_missing_folder_names_the_folder(tmp_path):
+    missing = tmp_path / "nothing-here"
+    for extra in ([], ["--credit", "grpo", "--seeds", "0"]):
+        code, err = _cli(["compare", "--report-only", "--output-dir", str(missing)] + extra)
+        assert _one_line(code, err, "tokencredit compare: ") == (
+            f"tokencredit compare: --output-dir: expected a folder of compare runs, got {str(missing)!r}: no such folder")
+        assert not missing.exists()

@@ -178,9 +178,18 @@ def read_metrics(path: Path, max_step: Optional[int] = None) -> List[Dict[str, f
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _check_runs_folder(output_dir: Path) -> None:
+    """A ValueError naming ``output_dir`` unless it is a folder (a report of runs that are not there)."""
+    p = Path(output_dir)
+    if not p.is_dir():
+        raise ValueError(f"--output-dir: expected a folder of compare runs, got {str(p)!r}: "
+                         f"{'a file' if p.exists() else 'no such folder'}")
+
+
 def read_meta(output_dir: Path) -> Dict[str, Any]:
     """``<out>/compare.json`` (the specs, seeds and steps a compare ran), ``{}`` when there is
     none; a damaged one is a ValueError naming it."""
+    _check_runs_folder(output_dir)
     f = Path(output_dir) / "compare.json"
     if not f.exists():
         return {}
@@ -420,6 +429,7 @@ def write_report(output_dir: Path, specs: Sequence[str], seeds: Sequence[int], *
     """Read every run under ``output_dir``, write ``report.md``, ``summary.json`` and
     ``plots/*.png``; returns the report's path."""
     output_dir = Path(output_dir)
+    _check_runs_folder(output_dir)
     results = load_results(output_dir, specs, seeds, steps)
     table = summarize(results)
     plots = plot_curves(results, output_dir / "plots")

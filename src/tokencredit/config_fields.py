@@ -5,7 +5,8 @@
   (``Optional``, ``Literal``, tuples, bool / int / float / str) and :data:`FIELD_RANGES`, and
   the names a string field refers to (a task, a policy loss, an aggregation, a KL estimator).
 * :func:`load_yaml_bounded`: ``yaml.safe_load`` with its nesting depth and expanded size
-  bounded before anything reads the value (no "billion laughs", no deep recursion).
+  bounded before anything reads the value (no "billion laughs", no deep recursion), and a key
+  given twice in one mapping refused (PyYAML would keep the last without a word).
 
 Used by ``tokencredit.config`` (its sections, ``TrainConfig``, each method's config) and
 re-exported there; nothing here knows the sections themselves.
@@ -57,7 +58,8 @@ _GE0, _GT0, _GE1 = _Range(0), _Range(0, lo_open=True), _Range(1)
 FIELD_RANGES: Dict[str, _Range] = {
     "steps": _GE1, "seed": _Range(0, 2**32 - 1), "threads": _GE1, "save_every": _GE1, "keep_last": _GE1,
     "model.lora_r": _GE1, "model.lora_alpha": _GE1,
-    "task.reward_timeout_s": _GT0, "task.n_train": _GE1,
+    # at most a day: a reward call's budget is waited for with poll(), which takes ~24 days at most
+    "task.reward_timeout_s": _Range(0, 86400, lo_open=True), "task.n_train": _GE1,
     # >= 1: the run evaluates at its last step at least, and an empty split is no accuracy of 0
     "task.n_eval": _GE1,
     "data.eval_fraction": _Range(0, 1, lo_open=True, hi_open=True),
@@ -120,6 +122,10 @@ class _YamlTooBig(Exception):
     pass
 
 
+class _YamlDuplicate(Exception):
+    pass
+
+
 class _BoundedLoader(yaml.SafeLoader):
     """PyYAML's safe loader with the nesting depth bounded while composing (it recurses)."""
 
@@ -131,6 +137,38 @@ class _BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_document(self, node):
+        _no_duplicate_keys(node)
+        return super().construct_document(node)
+
+
+def _no_duplicate_keys(root) -> None:
+    """A key given twice in one mapping is refused (:class:`_YamlDuplicate`, naming its dotted
+    path and lines: PyYAML keeps the last one without a word); a merge (``<<: *base``) overriding
+    a key is no duplicate. Each node is walked once (aliases share theirs), so the walk is as
+    long as the document."""
+    walked, stack = set(), [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in walked:
+            continue
+        walked.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            seen: Dict[str, int] = {}
+            for key, value in node.value:
+                if key.tag == "tag:yaml.org,2002:merge":
+                    stack.append((value, path))
+                    continue
+                name = key.value if isinstance(key, yaml.ScalarNode) else None
+                line = key.start_mark.line + 1
+                if name is not None and name in seen:
+                    raise _YamlDuplicate(f"key {'.'.join(path + (name,))!r} given twice (lines {seen[name]} and {line}); keep one")
+                if name is not None:
+                    seen[name] = line
+                stack.append((value, path + (str(name),)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, path + (str(i),)) for i, item in enumerate(node.value))
 
 
 # YAML 1.2's floats: PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-6` would be
@@ -168,6 +206,8 @@ def load_yaml_bounded(text: str, where: str) -> Any:
     except _YamlTooBig as e:
         raise ConfigError(f"{where}: expected a config of at most {YAML_MAX_VALUES} values nested at most "
                           f"{YAML_MAX_DEPTH} levels, got {e}") from None
+    except _YamlDuplicate as e:
+        raise ConfigError(f"{where}: {e}") from None
     return value
 
 

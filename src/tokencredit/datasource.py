@@ -179,6 +179,28 @@ def _one_format(folder: Path, path: str, field: str) -> None:
                            f"keep one format there, or name one file")
 
 
+def _distinct_csv_columns(files: Sequence[Path], path: str, field: str) -> None:
+    """Refuse a CSV file that names a column twice: pandas (under ``datasets``) would rename the
+    second ``prompt`` to ``prompt.1`` without a word."""
+    import csv
+
+    for f in files:
+        if f.suffix.lower() != ".csv":
+            continue
+        try:
+            with f.open(newline="", encoding="utf-8") as fh:
+                header = next(csv.reader(fh), [])
+        except (OSError, UnicodeDecodeError, csv.Error):
+            continue  # the loader says what is wrong with it
+        first: Dict[str, int] = {}
+        for i, name in enumerate(header, 1):
+            if name in first:
+                where = path if Path(path).is_file() else str(f)
+                raise DatasetError(f"{field}: expected distinct column names in {where!r}, got {name!r} twice "
+                                   f"(columns {first[name]} and {i}); rename one")
+            first[name] = i
+
+
 def load_splits(path: str, field: str = "data.path") -> Tuple[Dict[str, List[Dict[str, Any]]], str]:
     """``path`` (a file, a folder or a hub id ``owner/name[:config]``) -> ({split: rows}, a short
     name for messages). A single file is one split, ``train``."""
@@ -198,6 +220,7 @@ def load_splits(path: str, field: str = "data.path") -> Tuple[Dict[str, List[Dic
                 problem = _jsonl_problem(p)
                 if problem:
                     raise DatasetError(f"{field}: expected one JSON object per line, {problem}")
+            _distinct_csv_columns([p], path, field)
             try:
                 ds = datasets.load_dataset(builder, data_files=str(p), split="train")
             except Exception as e:  # datasets / pyarrow errors share no useful base class
@@ -206,6 +229,7 @@ def load_splits(path: str, field: str = "data.path") -> Tuple[Dict[str, List[Dic
             return {"train": ds.to_list()}, str(p)
         if p.is_dir():
             _one_format(p, path, field)
+            _distinct_csv_columns(data_files(p), path, field)
             try:
                 dd = datasets.load_dataset(str(p))
             except Exception as e:

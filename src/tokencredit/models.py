@@ -215,10 +215,12 @@ def resolve_model(name_or_path: str, *, cache_dir=None, dtype: torch.dtype = tor
         raise ModelError(f"{field}: expected {EMBEDDED!r} for the embedded model, got {name!r}")
     else:
         name = _locate(name, field)
+    from safetensors import SafetensorError
+
     try:
         tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a damaged file in the hub cache
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise ModelError(f"{field}: could not load {str(name_or_path)!r} ({type(e).__name__}: {first[:300]})") from None
     if getattr(model, "_hf_peft_config_loaded", False) and not (Path(name) / "config.json").is_file():
@@ -246,6 +248,7 @@ def _locate(name: str, field: str) -> str:
         elif not (p / "config.json").is_file():
             raise ModelError(f"{field}: expected a model folder with a config.json (or a LoRA adapter folder with an "
                              f"adapter_config.json), got {name!r}, a folder with neither")
+        _check_safetensors(p, name, field)
         return str(p)
     if p.exists():
         raise ModelError(f"{field}: expected a model folder or a Hugging Face Hub id, got {name!r}, which is a file")
@@ -263,6 +266,21 @@ def _locate(name: str, field: str) -> str:
                          f"check the name, or download the model first")
     _ask_hub(name, field)
     return name
+
+
+def _check_safetensors(folder: Path, name: str, field: str) -> None:
+    """Each ``*.safetensors`` file of a model folder opens (its header read, the data it declares
+    all there): a truncated or damaged file is one line naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            msg = " ".join(str(e).split())[:200]
+            raise ModelError(f"{field}: expected whole safetensors files in {name!r}, got {str(f)!r}, damaged or truncated "
+                             f"({type(e).__name__}: {msg})") from None
 
 
 def _locate_adapter_base(folder: Path, name: str, field: str) -> None:

@@ -12,7 +12,7 @@
   locked. :func:`stale_temporaries`: the temporary entries (``<prefix>..._<pid>-<start>``) whose
   writer is dead, the only ones a checkpoint save prunes.
 * :class:`MetricsWriter`: ``metrics.jsonl`` written a whole record at a time (one ``write`` of
-  the line, then ``fsync``); a record a failed write left half-written is cut off again; on
+  the line, then ``fsync``), strict JSON (a non-finite value is ``null``, said once per metric); a record a failed write left half-written is cut off again; on
   open a torn last line (a kill inside a write) is removed with a warning, and a resumed run
   drops the rows past its checkpoint's step (they are trained again), so no row is lost or
   logged twice. :func:`read_metrics` reads the file and skips a damaged line with a warning.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import warnings
@@ -119,6 +120,11 @@ def _refusal(path: Path, found: List[str]) -> RunFolderError:
     )
 
 
+def _cannot_move_aside(path: Path, aside: Path, e: OSError) -> RunFolderError:
+    return RunFolderError(f"overwrite: expected to move the old run aside into {str(aside)!r}, got {type(e).__name__} "
+                          f"({e.strerror or e}); make {str(path.parent)!r} writable, or choose another --output-dir")
+
+
 def check_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool) -> None:
     """Refuse, before any model loads, a run this folder cannot take: a fresh run where a run
     is (without ``overwrite``), ``resume`` with ``overwrite``, or a folder another live run
@@ -130,6 +136,13 @@ def check_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool) 
     found = holds_run(p)
     if found and not resume and not overwrite:
         raise _refusal(p, found)
+    if found and overwrite:  # the old run must be movable aside: a read-only parent refuses now, not later
+        aside = _aside_name(p)
+        try:
+            aside.mkdir()
+            aside.rmdir()
+        except OSError as e:
+            raise _cannot_move_aside(p, aside, e) from None
     if p.is_dir():
         RunLock(p).probe()  # only to say who holds it, before a model loads
 
@@ -309,10 +322,13 @@ def claim_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool, 
             if not overwrite:
                 raise _refusal(p, found)
             aside = _aside_name(p)
-            aside.mkdir()
-            for name in RUN_ENTRIES:
-                if (p / name).exists():
-                    os.replace(p / name, aside / name)
+            try:
+                aside.mkdir()
+                for name in RUN_ENTRIES:
+                    if (p / name).exists():
+                        os.replace(p / name, aside / name)
+            except OSError as e:
+                raise _cannot_move_aside(p, aside, e) from None
             log(f"--overwrite: the old run in {str(p)!r} was moved to {str(aside)!r}")
     except BaseException:
         lock.release()
@@ -405,6 +421,7 @@ class MetricsWriter:
 
     def __init__(self, path: os.PathLike | str, *, resume_step: Optional[int] = None, log=print):
         self.path = Path(path)
+        self._said: set = set()  # the metrics already said to be non-finite
         if self.path.exists():
             self._repair(resume_step, log)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
@@ -435,8 +452,22 @@ class MetricsWriter:
             n = os.write(self._fd, view)
             view = view[n:]
 
+    def _json_numbers(self, row: Dict[str, Any]) -> Dict[str, Any]:
+        """``row`` with each non-finite float (inf, -inf, NaN: not JSON numbers, which
+        ``json.dumps`` writes as ``Infinity`` / ``NaN``) as ``None`` (``null``), said once per
+        metric with a :class:`RunFolderWarning`."""
+        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+        if not bad:
+            return row
+        for k in bad:
+            if k not in self._said:
+                self._said.add(k)
+                warnings.warn(f"metrics.jsonl: {k} is {row[k]}, not a JSON number; written as null",
+                              RunFolderWarning, stacklevel=4)
+        return {k: (None if k in bad else v) for k, v in row.items()}
+
     def write(self, row: Dict[str, Any]) -> None:
-        data = (json.dumps(row) + "\n").encode()
+        data = (json.dumps(self._json_numbers(row), allow_nan=False) + "\n").encode()
         size = os.fstat(self._fd).st_size
         try:
             self._write_bytes(data)

@@ -31,7 +31,7 @@ __all__ = ["main"]
 
 
 def _score_main(argv: List[str]) -> int:
-    from ..inspector import parse_methods
+    from ..records import parse_methods
 
     p = argparse.ArgumentParser(prog="tokencredit fidelity", description="score every method's token credit against Monte Carlo true credit")
     p.add_argument("file", nargs="?", default=None, help="an estimates file (default: the bundled reference set)")
@@ -197,10 +197,16 @@ def _load_run(run: Path, checkpoint: Optional[Path], *, critic: bool = False):
         model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
     head = None
     if sd is not None:
-        _copy_weights(model, sd["model"], f"--checkpoint: {checkpoint}")
-        if critic:
-            head = ValueHead(int(model.config.hidden_size))
-            head.load_state_dict(sd["critic"])
+        from ..checkpoint import CheckpointError, check_weights, copy_weights
+
+        try:  # every trainable weight, of its shape and dtype: nothing broadcast, nothing left as it was
+            copy_weights(model, sd["model"], f"--checkpoint: {checkpoint}")
+            if critic:
+                head = ValueHead(int(model.config.hidden_size))
+                check_weights(sd["critic"], head.state_dict(), f"--checkpoint: {checkpoint}", part="critic")
+                head.load_state_dict(sd["critic"])
+        except CheckpointError as e:
+            raise FidelityError(str(e)) from None
     return cfg, model, tok, head
 
 
@@ -249,7 +255,7 @@ def _estimate(a, cfg, model, tok, saved: Dict[str, Any], policy: str) -> int:
 
 
 def _build_from_run(a) -> int:
-    from ..inspector import find_rollouts, load_rollouts
+    from ..records import find_rollouts, load_rollouts
 
     if a.threads:
         torch.set_num_threads(a.threads)
