@@ -222,6 +222,7 @@ class TrainConfig:
         the command line)."""
         self.check_fields()
         self.method_configs()
+        _check_device(self.device)
         return self
 
     def method_configs(self) -> Dict[str, Any]:
@@ -278,6 +279,24 @@ class TrainConfig:
                 object.__setattr__(obj, k, v)
             out[name] = _check_method_config(obj, name, f"credit_args: {name}" if over else f"credit_config.{name}")
         return out
+
+
+def _check_device(device: str) -> None:
+    """A ``device`` this torch cannot use (``cuda`` on a CPU-only build or with no GPU visible,
+    ``cuda:N`` past the GPUs there are, ``mps`` off Apple silicon): one line before any model
+    loads, instead of a traceback when the model is moved there."""
+    import torch
+
+    if device.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if n == 0:
+            raise ConfigError(f"device: expected auto or cpu (this torch {torch.__version__} sees no CUDA device), got {device!r}")
+        if index >= n:
+            raise ConfigError(f"device: expected auto, cpu, cuda or cuda:0{f'..cuda:{n - 1}' if n > 1 else ''} "
+                              f"({n} CUDA device{'s' if n > 1 else ''}), got {device!r}")
+    elif device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError(f"device: expected auto or cpu (this torch {torch.__version__} has no MPS device), got 'mps'")
 
 
 def _check_data_and_reward(cfg: "TrainConfig") -> None:
