@@ -285,3 +285,191 @@ def test_verls_own_clip_cov_and_kl_cov_take_the_calibrated_advantages(base, cfg)
     assert acted > 0
     torch.testing.assert_close(loss.detach(), want.to(loss.dtype), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g * mask, g_want.to(g.dtype) * mask, rtol=1e-4, atol=1e-7)
+
+
+# -- rollout correction (verl's rollout_correction: TIS and MIS against the behaviour log-probs) ---------
+
+from tokencredit.losses.rollout_correction import RolloutCorrectionConfig, rollout_correction  # noqa: E402
+
+
+def _mismatch(seed, B=10, T=30, spread=0.4):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = torch.arange(T)[None] < lengths[:, None]
+    behaviour = -torch.rand(B, T, generator=g, dtype=torch.float32) * 4
+    old = behaviour + spread * torch.randn(B, T, generator=g, dtype=torch.float32)
+    old[~mask] = 0.0
+    behaviour[~mask] = 0.0
+    return old, behaviour, mask
+
+
+RC_SETTINGS = [
+    dict(rollout_is="token"),  # verl's default threshold 2.0
+    dict(rollout_is="token", rollout_is_threshold=1.3, rollout_is_batch_normalize=True),
+    dict(rollout_is="sequence", rollout_is_threshold=5.0),
+    dict(rollout_is="sequence", rollout_is_batch_normalize=True),
+    dict(rollout_rs="token_k1", rollout_rs_threshold=2.0),
+    dict(rollout_rs="token_k2", rollout_rs_threshold=0.05),
+    dict(rollout_rs="token_k3", rollout_rs_threshold=0.05),
+    dict(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.1),
+    dict(rollout_rs="seq_sum_k2", rollout_rs_threshold=0.8),
+    dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.08),
+    dict(rollout_rs="seq_max_k2", rollout_rs_threshold=0.3),
+    dict(rollout_rs="seq_max_k3,token_k1", rollout_rs_threshold=1.4),
+    dict(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold=1.5),
+]
+
+
+@pytest.mark.parametrize("setting", RC_SETTINGS, ids=[",".join(f"{k}={v}" for k, v in s.items()) for s in RC_SETTINGS])
+@pytest.mark.parametrize("seed", range(3))
+def test_rollout_correction_equals_verls_helper(seed, setting):
+    """Weights and kept mask against verl's own compute_rollout_correction_and_rejection_mask."""
+    pytest.importorskip("verl")
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    old, behaviour, mask = _mismatch(seed)
+    w, keep, m = rollout_correction(old, behaviour, mask.long(), RolloutCorrectionConfig(**setting))
+    theirs = dict(setting)
+    theirs.setdefault("rollout_is_threshold", 2.0)
+    w_ref, keep_ref, m_ref = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=behaviour, response_mask=mask.float(), **theirs)
+    if setting.get("rollout_is"):
+        torch.testing.assert_close(torch.where(mask, w, 0.0), torch.where(mask, w_ref.batch["rollout_is_weights"], 0.0))
+        assert m["rollout_corr/rollout_is_mean"] == pytest.approx(m_ref["rollout_corr/rollout_is_mean"], rel=1e-5) or \
+            setting.get("rollout_is_batch_normalize")
+    else:
+        assert w is None and w_ref is None
+    assert torch.equal(keep, keep_ref.bool() & mask)
+    if setting.get("rollout_rs"):
+        assert 0 < m["rollout_corr/rollout_rs_masked_fraction"] < 1  # the rejection is exercised
+        assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(m_ref["rollout_corr/rollout_rs_masked_fraction"])
+        assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(
+            m_ref["rollout_corr/rollout_rs_seq_masked_fraction"])
+    assert m["rollout_corr/kl"] == pytest.approx(m_ref["rollout_corr/kl"], rel=1e-5, abs=1e-7)
+    assert m["rollout_corr/k3_kl"] == pytest.approx(m_ref["rollout_corr/k3_kl"], rel=1e-5, abs=1e-7)
+
+
+def test_tis_truncates_and_mis_rejects_exactly_the_out_of_bounds_tokens():
+    """A hand case: log-ratios 0, log 3, -log 3, 0.1 on one row. TIS (token, 2): weights 1, 2, 1/3,
+    e^0.1; MIS (token_k1, 2): the ratios 3 and 1/3 leave the mask, the others stay."""
+    old = torch.tensor([[0.0, math.log(3.0), -math.log(3.0), 0.1]]) - 1.0
+    behaviour = torch.full((1, 4), -1.0)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    w, keep, m = rollout_correction(old, behaviour, mask, RolloutCorrectionConfig(rollout_is="token"))
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 1 / 3, math.exp(0.1)]]))
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == 0.25
+    assert m["rollout_corr/log_ratio_max"] == pytest.approx(math.log(3.0))
+    _, keep, m = rollout_correction(old, behaviour, mask, RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold=2.0))
+    assert keep.tolist() == [[True, False, False, True]] and m["rollout_corr/rollout_rs_masked_fraction"] == 0.5
+    _, keep, _ = rollout_correction(old, behaviour, mask, RolloutCorrectionConfig(rollout_rs="seq_max_k2", rollout_rs_threshold=0.5))
+    assert keep.tolist() == [[False] * 4]  # log(3)^2 / 2 = 0.60 > 0.5: the whole row
+
+
+def test_rollout_correction_options_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="loss.rollout_rs_threshold: expected a number > 0 with rollout_rs='token_k1', got None"):
+        RolloutCorrectionConfig(rollout_rs="token_k1")
+    with pytest.raises(ValueError, match="loss.rollout_rs: expected comma-separated options"):
+        RolloutCorrectionConfig(rollout_rs="seq_max_k1", rollout_rs_threshold=2.0)
+    with pytest.raises(ValueError, match="loss.rollout_rs_threshold: only used with rollout_rs"):
+        RolloutCorrectionConfig(rollout_rs_threshold=2.0)
+    with pytest.raises(ValueError, match="loss.rollout_rs_threshold: expected a number >= 1 with 'seq_mean_k1'"):
+        RolloutCorrectionConfig(rollout_rs="seq_mean_k1", rollout_rs_threshold=0.5)
+    from test_trainer import _cfg, _trainer
+    from tokencredit.config import ConfigError
+
+    cfg = _cfg(tmp_path, "grpo")
+    cfg.loss.rollout_rs = "token_k9"
+    cfg.loss.rollout_rs_threshold = 2.0
+    with pytest.raises(ConfigError, match="loss.rollout_rs: expected") as e:
+        _trainer(cfg)
+    assert "\n" not in str(e.value)
+
+
+def _perturbed_trainer(tmp_path, shift=1.0, **loss):
+    """The own trainer whose rollout reports behaviour log-probs lowered by ``shift`` on every
+    third response token (a deliberately mismatched sampler); the loss's masks and weights are
+    recorded."""
+    import dataclasses
+
+    from test_trainer import _cfg, _trainer
+
+    cfg = _cfg(tmp_path, "grpo", steps=1)
+    cfg.rollout = dataclasses.replace(cfg.rollout, prompts_per_step=2, samples_per_prompt=4, max_new_tokens=6)
+    cfg.log = dataclasses.replace(cfg.log, save_rollouts=False)
+    for k, v in loss.items():
+        setattr(cfg.loss, k, v)
+    tr = _trainer(cfg)
+    real = tr.rollout.generate
+
+    def generate(*a, **k):
+        rb = real(*a, **k)
+        hit = (torch.arange(rb.response_ids.shape[1]) % 3 == 1)[None] & rb.response_mask.bool()
+        return dataclasses.replace(rb, behaviour_logprobs=rb.behaviour_logprobs - shift * hit)
+
+    tr.rollout.generate = generate
+    seen = []
+    loss_fn = tr.policy_update.loss
+
+    def recording(lp, old, adv, m, cfg_, loss_weights=None):
+        seen.append((m.detach().clone(), None if loss_weights is None else loss_weights.detach().clone()))
+        return loss_fn(lp, old, adv, m, cfg_, loss_weights=loss_weights)
+
+    tr.policy_update.loss = recording
+    return tr, seen
+
+
+def test_a_perturbed_behaviour_policy_tis_changes_the_update_and_mis_masks_the_perturbed_tokens(tmp_path):
+    """Behaviour log-probs 1 nat too low on every third token: the logged log-ratio max is 1 (the
+    rest is float noise between the sampler and the update's forward); TIS (token, 2) weights
+    those tokens e^1 truncated to 2 and the update differs from the uncorrected one; MIS
+    (token_k1, 2) masks exactly those tokens."""
+    updates = {}
+    for name, loss in (("none", {}), ("tis", dict(rollout_is="token")),
+                       ("mis", dict(rollout_rs="token_k1", rollout_rs_threshold=2.0))):
+        tr, seen = _perturbed_trainer(tmp_path / name, **loss)
+        assert "logprobs" in tr.plan.policy or not loss  # the old log-probs are the update's, not the sampler's
+        before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        m = tr.train_step()
+        updates[name] = {n: p.detach() - before[n] for n, p in tr.model.named_parameters()}
+        if not loss:
+            # without a correction the old log-probs are the sampler's: no mismatch to see
+            assert m["rollout_corr/log_ratio_max"] == 0.0
+            continue
+        mask = torch.cat([s[0] for s in seen]).bool()
+        hit = (torch.arange(mask.shape[1]) % 3 == 1)[None]
+        full = tr._last_batch["batch"].response_mask.bool()
+        assert m["rollout_corr/log_ratio_max"] == pytest.approx(1.0, abs=1e-3)
+        assert m["rollout_corr/log_ratio_min"] > -1e-3
+        if name == "tis":
+            w = torch.cat([s[1] for s in seen])
+            torch.testing.assert_close(w[full & hit], torch.full((int((full & hit).sum()),), 2.0), rtol=0, atol=1e-3)
+            torch.testing.assert_close(w[full & ~hit], torch.ones(int((full & ~hit).sum())), rtol=0, atol=1e-3)
+            assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(float((full & hit).sum() / full.sum()))
+        else:
+            assert torch.equal(mask, full & ~hit)
+            assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(float((full & hit).sum() / full.sum()))
+    for name in ("tis", "mis"):
+        diff = max(float((updates[name][n] - updates["none"][n]).abs().max()) for n in updates["none"])
+        assert diff > 1e-6, name
+
+
+def test_with_bf16_the_trainer_logs_the_mismatch(tmp_path):
+    """Under --precision bf16 the sampler is the bf16 copy and the old log-probs the update's: the
+    logged log-ratio is the real training-inference mismatch (nonzero), every step."""
+    import dataclasses
+
+    from test_trainer import _cfg, _metrics, _trainer
+
+    cfg = _cfg(tmp_path, "grpo", steps=2, precision="bf16")
+    cfg.loss.rollout_is = "token"
+    cfg.log = dataclasses.replace(cfg.log, save_rollouts=False)
+    tr = _trainer(cfg)
+    tr.train()
+    rows = _metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2
+    for m in rows:
+        assert m["rollout_corr/log_ratio_max"] > m["rollout_corr/log_ratio_min"]
+        assert m["rollout_corr/log_ratio_max"] > 0 or m["rollout_corr/log_ratio_min"] < 0
+        assert 0 < m["rollout_corr/rollout_is_mean"] <= 2.0
+        assert "rollout_corr/rollout_rs_masked_fraction" in m

@@ -72,7 +72,7 @@ FIELD_RANGES: Dict[str, _Range] = {
     "loss.norm_constant": _GT0, "loss.clip_low": _Range(0, 1, hi_open=True), "loss.clip_high": _GE0,
     "loss.dual_clip": _Range(1, lo_open=True), "loss.kl_coef": _GE0, "loss.epsilon_high": _Range(1),
     "loss.clip_cov_ratio": _Range(0, 1, lo_open=True), "loss.kl_cov_ratio": _Range(0, 1, lo_open=True),
-    "loss.ppo_kl_coef": _GE0,
+    "loss.ppo_kl_coef": _GE0, "loss.rollout_is_threshold": _GT0, "loss.rollout_rs_threshold": _GT0,
     "critic.lr": _GT0, "critic.steps": _GE1,
     "dapo.max_rounds": _GE1, "dapo.overlong_cache": _GE1,
     "log.eval_every": _GE1, "log.eval_samples": _GE0,

@@ -135,6 +135,16 @@ class LossConfig:
     # penalty ppo_kl_coef * |log ratio|; None = verl's 0.0002 (the authors' recipe for 7B: 0.002)
     kl_cov_ratio: Optional[float] = None
     ppo_kl_coef: Optional[float] = None  # kl_cov: the penalty's coefficient; None = verl's 0.1 (the authors' function: 1.0)
+    # rollout correction (verl's rollout_correction names), against the sampler's log-probs (a bf16
+    # generation copy): truncated importance sampling, one weight per token or per sequence (TIS)
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    rollout_is_threshold: float = 2.0  # TIS: the weights are truncated at this value (verl's default)
+    rollout_is_batch_normalize: bool = False  # TIS: divide the weights by their batch mean
+    # masked importance sampling (MIS): tokens or rows out of bounds leave the loss; comma-separated
+    # token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (verl's rollout_rs)
+    rollout_rs: Optional[str] = None
+    # MIS: the bound of every rollout_rs option (k1: the ratio within [1/u, u]; k2, k3: divergence <= u)
+    rollout_rs_threshold: Optional[float] = None
     kl_coef: float = 0.0  # TACO/DAPO recipe: no KL
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL to the reference)
 

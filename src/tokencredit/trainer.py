@@ -46,7 +46,8 @@ from .rollout import StepBatch
 from .runcontrol import StopSignals, check_resume_config, holding_run_folder, resume_state
 from .runfolder import RunLog, check_run_folder
 from .spec import CreditPipeline
-from .update import NonFiniteError, PolicyUpdate, check_finite, critic_step, policy_loss_config, policy_optimizer
+from .update import (NonFiniteError, PolicyUpdate, check_finite, critic_step, policy_loss_config, policy_optimizer,
+                     rollout_correction_config)
 
 __all__ = ["Trainer", "NonFiniteError", "forward_response"]
 
@@ -95,6 +96,7 @@ class Trainer:
         self.policy_loss = get_policy_loss(cfg.loss.policy_loss)
         try:
             self.policy_loss_cfg = policy_loss_config(self.policy_loss, cfg.loss, self.credit, cfg.rollout.max_new_tokens)
+            self.rollout_correction = rollout_correction_config(cfg.loss)
         except ValueError as e:  # a loss setting this policy loss cannot take
             raise ConfigError(" ".join(str(e).split())) from None
 
@@ -182,6 +184,7 @@ class Trainer:
             micro_batch_size=o.micro_batch_size, ppo_epochs=o.ppo_epochs, max_grad_norm=o.max_grad_norm,
             kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator, temperature=self._temperature(),
             autocast=self._autocast, weights_changed=self.rollout.weights_changed,
+            rollout_correction=self.rollout_correction,
         )
 
         # -- run state ------------------------------------------------------------------
@@ -616,11 +619,12 @@ def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=Non
         )
     except PlanError as e:
         raise ConfigError(str(e)) from None
-    if cfg.precision == "bf16" and "logprobs" not in plan.policy:
+    if (cfg.precision == "bf16" or cfg.loss.rollout_is or cfg.loss.rollout_rs) and "logprobs" not in plan.policy:
         # bf16 samples from a bf16 copy of the weights and updates under autocast: the rollout's
         # log-probs differ from the update's by up to tens of percent on single tokens
         # (docs/performance.md), so the old log-probs come from the policy in the update's
-        # numerics; with one epoch that is the update's own forward, at no extra cost
+        # numerics; with one epoch that is the update's own forward, at no extra cost. A rollout
+        # correction needs them too (against the sampler's, which would otherwise be the old ones)
         plan = dataclasses.replace(plan, policy=plan.policy + ("logprobs",))
     return plan
 

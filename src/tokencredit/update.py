@@ -25,7 +25,8 @@ import torch
 
 from .forward import forward_response
 
-__all__ = ["NonFiniteError", "PolicyUpdate", "check_finite", "critic_step", "lr_lambda", "policy_loss_config", "policy_optimizer"]
+__all__ = ["NonFiniteError", "PolicyUpdate", "check_finite", "critic_step", "lr_lambda", "policy_loss_config", "policy_optimizer",
+           "rollout_correction_config"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -62,6 +63,9 @@ class PolicyUpdate:
     temperature: float
     autocast: Callable[[], ContextManager]  # bf16 autocast under precision=bf16, else nothing
     weights_changed: Callable[[], None]  # after each optimizer step (the rollout's bf16 copy re-syncs)
+    # verl's rollout_correction against the behaviour log-probs (losses.rollout_correction); None: off,
+    # the mismatch still logged
+    rollout_correction: Any = None
 
     def forward(self, batch, sl: slice, want, step: int) -> Dict[str, torch.Tensor]:
         """The update's forward of micro-batch ``sl`` (with grad): token signals ``want``."""
@@ -81,9 +85,14 @@ class PolicyUpdate:
     def __call__(self, batch, adv, old_logprobs, ref_logprobs, step: int, pre=None) -> Dict[str, float]:
         """Train the policy on ``adv``; ``pre``: the first epoch's forwards, already run."""
         from .losses import aggregate, kl_penalty
+        from .losses.rollout_correction import rollout_correction
 
         N = batch.response_ids.shape[0]
-        mask = batch.response_mask
+        # the training policy's old log-probs against the sampler's: TIS weights multiply the
+        # per-token loss, tokens MIS rejects leave the loss's mask (verl's rollout_correction)
+        is_w, keep, corr_metrics = rollout_correction(old_logprobs, batch.behaviour_logprobs, batch.response_mask,
+                                                      self.rollout_correction)
+        mask = keep
         mb = self.micro_batch_size
         total_tokens = float(mask.sum())
         agg_mode = self.loss_cfg.agg_mode
@@ -105,7 +114,8 @@ class PolicyUpdate:
                 want = ("logprobs", "entropy") if epoch == 0 else ("logprobs",)
                 sig = pre[s // mb] if pre is not None and epoch == 0 else self.forward(batch, sl, want, step)
                 lp = sig["logprobs"]
-                loss, lm = self.loss(lp, old_logprobs[sl], adv[sl], m, self.loss_cfg)
+                loss, lm = self.loss(lp, old_logprobs[sl], adv[sl], m, self.loss_cfg,
+                                     loss_weights=is_w[sl] if is_w is not None else None)
                 if self.kl_coef > 0:
                     kl = aggregate(kl_penalty(lp, ref_logprobs[sl], self.kl_estimator), m, agg_mode, norm_constant=norm_constant)
                     loss = loss + self.kl_coef * kl
@@ -124,7 +134,7 @@ class PolicyUpdate:
                     sums[k] = sums.get(k, 0.0) + float(v) * scale / self.ppo_epochs
                 sums["policy"] = sums.get("policy", 0.0) + float(loss.detach()) * scale / self.ppo_epochs
                 if epoch == 0:
-                    ent_sum += float((sig["entropy"].detach() * m).sum())
+                    ent_sum += float((sig["entropy"].detach() * batch.response_mask[sl]).sum())
             params = [p for p in self.model.parameters() if p.requires_grad]
             gn = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             if not torch.isfinite(gn):
@@ -138,7 +148,8 @@ class PolicyUpdate:
         self.scheduler.step()
         out = {f"loss/{k}": v for k, v in sums.items()}
         out["grad_norm"] = grad_norm
-        out["entropy/mean"] = ent_sum / max(total_tokens, 1.0)
+        out["entropy/mean"] = ent_sum / max(float(batch.response_mask.sum()), 1.0)
+        out.update(corr_metrics)
         return out
 
 
@@ -209,3 +220,15 @@ def policy_loss_config(loss, lc, credit=None, max_new_tokens=None):
             raise ValueError(f"loss.{k}: policy loss {loss.name!r} has no such setting (it has {sorted(names)}), got {v!r}")
         candidates[k] = v
     return cls(**{k: v for k, v in candidates.items() if k in names})
+
+
+def rollout_correction_config(lc):
+    """verl's rollout_correction settings of ``LossConfig`` ``lc`` (``losses.rollout_correction``);
+    a ValueError naming the field for a bad combination."""
+    from .losses.rollout_correction import RolloutCorrectionConfig
+
+    return RolloutCorrectionConfig(
+        rollout_is=lc.rollout_is, rollout_is_threshold=lc.rollout_is_threshold,
+        rollout_is_batch_normalize=lc.rollout_is_batch_normalize, rollout_rs=lc.rollout_rs,
+        rollout_rs_threshold=lc.rollout_rs_threshold,
+    )
