@@ -55,8 +55,9 @@ __all__ = ["Trainer", "NonFiniteError", "forward_response"]
 class Trainer:
     """Build with a :class:`TrainConfig`; ``model``/``tokenizer``/``task`` may be injected (tests)."""
 
-    def __init__(self, cfg: TrainConfig, *, model=None, tokenizer=None, task=None, reference=None, teacher=None):
-        from .rollout import HFRollout
+    def __init__(self, cfg: TrainConfig, *, model=None, tokenizer=None, task=None, reference=None, teacher=None,
+                 rollout=None):
+        from .rollout import HFRollout, RolloutBackend
         from .tasks import make_task
 
         self.cfg = cfg
@@ -170,14 +171,22 @@ class Trainer:
         from .precision import dtype_of
 
         self.optimizer, self.scheduler = policy_optimizer(self.model, cfg.optim, self.device.type, cfg.steps)
-        # bf16: generation on a bf16 copy of the weights (re-synced after each optimizer step)
-        if cfg.rollout.backend == "vllm":
+        # the rollout backend (rollout.RolloutBackend): one passed in (or a factory called with the
+        # model and tokenizer), else HF generate; bf16: generation on a bf16 copy of the weights
+        # (re-synced after each optimizer step through the backend's weights_changed)
+        if rollout is None and cfg.rollout.backend == "vllm":
             from .rollout_vllm import VLLMRollout
 
-            self.rollout = VLLMRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision) or torch.float32)
-        else:
-            self.rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision),
-                                     max_batch_size=cfg.rollout.max_batch_size, sampler=cfg.rollout.sampler)
+            rollout = VLLMRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision) or torch.float32)
+        elif rollout is None:
+            rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision),
+                                max_batch_size=cfg.rollout.max_batch_size, sampler=cfg.rollout.sampler)
+        elif isinstance(rollout, type) or (callable(rollout) and not isinstance(rollout, RolloutBackend)):
+            rollout = rollout(self.model, self.tokenizer)
+        if not isinstance(rollout, RolloutBackend):
+            raise TypeError(f"rollout: expected a RolloutBackend (generate and weights_changed) or a factory "
+                            f"(model, tokenizer) -> backend, got {type(rollout).__name__}")
+        self.rollout = rollout
         o = cfg.optim
         self.policy_update = PolicyUpdate(
             self.model, self.optimizer, self.scheduler, self.policy_loss, self.policy_loss_cfg,
