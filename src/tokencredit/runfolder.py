@@ -262,29 +262,27 @@ class RunLock:
             return
         self._dir_fd = fd
 
+    def _lock_file(self) -> None:
+        from filelock import Timeout
+
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            raise self._in_use() from None
+
     def probe(self) -> None:
         """Raise the refusal of :meth:`acquire` if another run holds the folder; take nothing
         and write nothing."""
-        from filelock import Timeout
-
         if (self.folder / LOCK_NAME).exists():
-            try:
-                self._lock.acquire(timeout=0)
-            except Timeout:
-                raise self._in_use() from None
+            self._lock_file()
         try:
             self._lock_folder()
         finally:
             self._release_locks()
 
     def acquire(self) -> "RunLock":
-        from filelock import Timeout
-
         self.folder.mkdir(parents=True, exist_ok=True)
-        try:
-            self._lock.acquire(timeout=0)
-        except Timeout:
-            raise self._in_use() from None
+        self._lock_file()
         try:
             self._lock_folder()
             (self.folder / PID_NAME).write_text(f"{os.getpid()}\n{_start_time(os.getpid()) or ''}\n")
