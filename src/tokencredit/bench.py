@@ -398,20 +398,22 @@ def render_bench_report(summaries: Dict[str, Dict[str, Any]], plots: Dict[str, s
               f"({N_BOOT} resamples). Success is the policy's exact success rate on the eval questions "
               "(mean V(h_0) by enumeration). AUC: the mean success over training (trapezoid / steps). "
               "Headroom recovered: (AUC_spec - AUC_grpo) / (AUC_oracle - AUC_grpo). Steps to threshold: "
-              "runs that never reach it count as the budget.", ""]
+              "runs that never reach it count as the budget. Where the oracle's interval against grpo includes 0 the "
+              "headroom's denominator is noise and the cell says n/a (summary.json keeps the number).", ""]
     for task, s in summaries.items():
         lines += [f"## {task}", "", f"seeds {','.join(map(str, s['seeds']))}; threshold {s['threshold']}; budget {s['budget']} steps; "
                   f"smallest AUC difference to GRPO the seeds detect (80% power, 5% two-sided): {s['mde_auc']:.3f}", ""]
+        o = s["specs"].get("oracle", {}).get("auc_vs_grpo")
+        sep = o is not None and math.isfinite(o[1]) and (o[1] > 0 or o[2] < 0)
         lines.append("| spec | initial | AUC | AUC - grpo | headroom recovered | final success | final greedy | steps to threshold (reached) |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
         for spec, r in s["specs"].items():
             lines.append("| " + " | ".join([
                 f"`{spec}`", _fmt(r["initial"]), _fmt(r["auc"]), _fmt(r["auc_vs_grpo"]) if "auc_vs_grpo" in r else "–",
-                _fmt(r["headroom"], 2) if "headroom" in r else "–", _fmt(r["final"]), _fmt(r["greedy_final"]),
+                (_fmt(r["headroom"], 2) if sep else "n/a (oracle ~ grpo)") if "headroom" in r else "–",
+                _fmt(r["final"]), _fmt(r["greedy_final"]),
                 f"{_fmt(r['steps_to'], 1)} ({r['reached']}/{len(s['seeds'])})"]) + " |")
-        o = s["specs"].get("oracle", {}).get("auc_vs_grpo")
         if o is not None:
-            sep = math.isfinite(o[1]) and (o[1] > 0 or o[2] < 0)
             lines += ["", f"oracle - grpo AUC: {_fmt(o)}: " + ("the interval excludes 0: the task measures credit." if sep else
                       "the interval includes 0: on this budget the task does not separate oracle credit from GRPO.")]
         if task in plots:
