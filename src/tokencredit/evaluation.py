@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
@@ -91,22 +90,12 @@ def write_samples(path: Path, samples: List[Dict[str, Any]]) -> None:
 def rollouts_record(credit, last_batch: Dict[str, Any], tokenizer, step: int) -> Dict[str, Any]:
     """The saved rollouts of the last training batch (``last_batch``: the step's ``StepBatch``,
     ``CreditBatch``, credit output and the credit spec's state after it) of ``credit`` (a
-    ``CreditPipeline``): tensors and plain values only."""
-    batch, cb, out = last_batch["batch"], last_batch["credit_batch"], last_batch["credit"]
-    ids = batch.response_ids
-    tokens = [[tokenizer.decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, batch.response_mask)]
-    return {
-        "credit": credit.name,
-        # the run's method settings and state (STARE's controller, ...), so that a replay of
-        # this batch computes the credit the run computed
-        "credit_configs": {name: dataclasses.asdict(c) for name, c in credit.configs.items()},
-        "credit_state": last_batch["credit_state"],
-        "step": step,
-        "signals": {name: v for name, v in cb.to_dict().items() if v is not None},
-        "advantages": out.advantages,
-        "token_weights": out.token_weights,
-        "response_ids": ids,
-        "tokens": tokens,
-        "texts": batch.texts,
-        "questions": [batch.examples[int(i)].question for i in batch.prompt_index],
-    }
+    ``CreditPipeline``), as the file's dict (:class:`tokencredit.records.RolloutsRecord`)."""
+    from .records import RolloutsRecord
+
+    batch = last_batch["batch"]
+    return RolloutsRecord.build(
+        credit, last_batch["credit_batch"], last_batch["credit"], response_ids=batch.response_ids, tokenizer=tokenizer,
+        questions=[batch.examples[int(i)].question for i in batch.prompt_index], step=step, texts=batch.texts,
+        credit_state=last_batch["credit_state"],
+    ).to_dict()

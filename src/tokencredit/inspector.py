@@ -5,7 +5,8 @@
 
 The trainer saves its last training batch at each evaluation (``eval/rollouts_step_*.pt``:
 the :class:`~tokencredit.batch.CreditBatch` fields as ``signals``, the run's advantages and
-token weights, the decoded tokens, texts and questions). :func:`replay` recomputes credit on
+token weights, the decoded tokens, texts and questions; the format and its replay are :mod:`tokencredit.records`; this
+module is the page). :func:`replay` recomputes credit on
 exactly that batch with every requested spec whose required signals the batch has, so
 methods are compared on identical rollouts; the others are reported with the signals they
 lack. :func:`render_html` writes one page with inline CSS and JS (no network): each response's
@@ -26,14 +27,25 @@ from __future__ import annotations
 import html
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .batch import SIGNALS, CreditBatch
-from .registry import CreditOutput
+from .records import (  # the saved-rollouts format and its replay (re-exported: the page's public names)
+    COMPOSITIONS,
+    Inspection,
+    MethodView,
+    Skipped,
+    available_signals,
+    check_rollouts,
+    default_specs,
+    find_rollouts,
+    load_rollouts,
+    parse_methods,
+    replay,
+    saved_batch,
+)
 
 __all__ = [
     "COMPOSITIONS",
@@ -47,239 +59,15 @@ __all__ = [
     "render_html",
     "write_page",
     "find_rollouts",
+    "page_data",
+    "available_signals",
+    "check_rollouts",
+    "parse_methods",
 ]
-
-#: compositions tried by default besides every registered spec
-COMPOSITIONS = ("rloo+taco", "rloo+stare", "dr_grpo+taco", "oppo+stare", "oppo+taco", "rloo+arca", "grpo+taco+stare")
-
-_REQUIRED_KEYS = ("signals", "tokens")
 
 # diverging scale: negative -> red, positive -> blue (ColorBrewer RdBu ends)
 _NEG = (178, 24, 43)
 _POS = (33, 102, 172)
-
-
-@dataclass
-class MethodView:
-    """Credit of one method on the saved batch."""
-
-    label: str  # what the page shows: the canonical spec, or "<spec> (as trained)"
-    spec: str
-    source: str  # "replayed" | "saved"
-    advantages: torch.Tensor  # [B, T]
-    token_weights: Optional[torch.Tensor]
-    diagnostics: Dict[str, float]
-
-
-@dataclass
-class Skipped:
-    spec: str
-    missing: List[str] = field(default_factory=list)
-    error: Optional[str] = None
-
-
-@dataclass
-class Inspection:
-    views: List[MethodView]
-    skipped: List[Skipped]
-    available: List[str]
-
-
-# ---------------------------------------------------------------------------------------
-# loading
-
-
-def find_rollouts(path: str | Path) -> Path:
-    """A rollouts file itself, or the latest ``eval/rollouts_step_*.pt`` of a run directory."""
-    p = Path(path)
-    if p.is_dir():
-        found = sorted((p / "eval").glob("rollouts_step_*.pt")) or sorted(p.glob("rollouts_step_*.pt"))
-        if not found:
-            raise FileNotFoundError(f"ROLLOUTS: no eval/rollouts_step_*.pt under run directory {p}")
-        return found[-1]
-    if not p.exists():
-        raise FileNotFoundError(f"ROLLOUTS: no such file {p}")
-    return p
-
-
-def load_rollouts(path: str | Path) -> Dict[str, Any]:
-    """Load and check a rollouts file written by the trainer's ``_save_rollouts``."""
-    p = find_rollouts(path)
-    try:
-        saved = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise ValueError(f"ROLLOUTS: {p} is not a tokencredit rollouts file ({type(e).__name__}: {e})") from None
-    if isinstance(saved, dict) and isinstance(saved.get("format"), str) and "signals" not in saved:
-        raise ValueError(
-            f"ROLLOUTS: {p} is a {saved['format']!r} file, not a rollouts file; `tokencredit inspect` opens it "
-            f"(with its reference rows), the library reads it with that format's own loader"
-        )
-    check_rollouts(saved, str(p))
-    return saved
-
-
-def check_rollouts(saved: Any, where: str = "rollouts") -> None:
-    if not isinstance(saved, dict):
-        raise ValueError(f"{where}: expected a dict as written by the trainer's _save_rollouts, got {type(saved).__name__}")
-    missing = [k for k in _REQUIRED_KEYS if k not in saved]
-    if missing:
-        raise ValueError(f"{where}: missing key(s) {missing}; expected a file written by the trainer's _save_rollouts")
-    sig = saved["signals"]
-    for k in ("response_mask", "rewards", "group_ids"):
-        if k not in sig:
-            raise ValueError(f"{where}: signals has no {k!r}")
-    lengths = [int(x) for x in torch.as_tensor(sig["response_mask"]).bool().sum(1)]
-    tokens = saved["tokens"]
-    if len(tokens) != len(lengths):
-        raise ValueError(f"{where}: tokens has {len(tokens)} rows, response_mask {len(lengths)}")
-    for i, (row, n) in enumerate(zip(tokens, lengths)):
-        if len(row) != n:
-            raise ValueError(f"{where}: tokens[{i}] has {len(row)} entries, response_mask row {i} has {n} valid positions")
-
-
-def _signals_of(saved: Dict[str, Any]) -> Dict[str, Any]:
-    """The saved signals; ``token_ids`` from the saved ``response_ids`` and ``planning_mask``
-    from the saved decoded ``tokens`` when the step did not store them (both are in every
-    rollouts file)."""
-    sig = {k: v for k, v in saved["signals"].items() if v is not None}
-    if "token_ids" not in sig and saved.get("response_ids") is not None:
-        sig["token_ids"] = torch.as_tensor(saved["response_ids"])
-    if "planning_mask" not in sig:  # HICRA / SEPA: strategic grams in the decoded tokens
-        from .planning import planning_mask_of
-
-        mask = torch.as_tensor(sig["response_mask"]).bool()
-        pm = torch.zeros(mask.shape, dtype=torch.long)
-        for b, row in enumerate(saved["tokens"]):
-            pos = mask[b].nonzero().squeeze(1)
-            pm[b, pos] = torch.tensor(planning_mask_of([str(t) for t in row]), dtype=torch.long)
-        sig["planning_mask"] = pm
-    return sig
-
-
-def saved_batch(saved: Dict[str, Any]) -> CreditBatch:
-    """The saved :class:`CreditBatch` (validated again)."""
-    return CreditBatch(**_signals_of(saved))
-
-
-def available_signals(saved: Dict[str, Any]) -> List[str]:
-    sig = _signals_of(saved)
-    return [k for k in SIGNALS if k in sig]
-
-
-# ---------------------------------------------------------------------------------------
-# replay
-
-
-def default_specs(saved: Optional[Dict[str, Any]] = None) -> List[str]:
-    """The run's own spec (if ``saved`` names one), every registered method (a calibrator as
-    its paper's pairing) and :data:`COMPOSITIONS`, canonical and without duplicates."""
-    from .registry import list_methods
-    from .spec import parse_spec
-
-    cands: List[str] = []
-    if saved is not None and isinstance(saved.get("credit"), str):
-        cands.append(saved["credit"])
-    cands += list_methods("estimator") + list_methods("calibrator") + list(COMPOSITIONS)
-    out: List[str] = []
-    for c in cands:
-        try:
-            canon = "+".join(m.name for m in parse_spec(c))
-        except (KeyError, ValueError):
-            continue  # a composition whose method is not registered here
-        if canon not in out:
-            out.append(canon)
-    return out
-
-
-def parse_methods(value: Any, field_name: str = "--methods") -> List[str]:
-    """``"grpo,taco,oppo+stare"`` -> canonical specs; unknown or malformed -> ValueError naming the field."""
-    from .spec import parse_spec
-
-    items = value.split(",") if isinstance(value, str) else list(value or [])
-    items = [str(s).strip() for s in items]
-    if not items or any(not s for s in items):
-        raise ValueError(f"{field_name}: expected a comma-separated list of credit specs (e.g. grpo,taco), got {value!r}")
-    out = []
-    for s in items:
-        try:
-            canon = "+".join(m.name for m in parse_spec(s))
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"{field_name}: bad credit spec {s!r}: {e.args[0] if e.args else e}") from None
-        if canon not in out:
-            out.append(canon)
-    return out
-
-
-def _credit_configs(credit_args: Sequence[str], spec_methods: Sequence[str], saved_configs=None) -> Dict[str, Dict[str, Any]]:
-    """The run's saved config of each method (if any), overridden key by key by ``credit_args``."""
-    from .config import parse_credit_args
-
-    parsed = parse_credit_args(credit_args)
-    out: Dict[str, Dict[str, Any]] = {}
-    for name in spec_methods:
-        merged = {**dict((saved_configs or {}).get(name) or {}), **parsed.get(name, {})}
-        if merged:
-            out[name] = merged
-    return out
-
-
-def replay(saved: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_args: Sequence[str] = (), include_saved: bool = True) -> Inspection:
-    """Credit of every spec in ``specs`` (default :func:`default_specs`) on the saved batch.
-
-    A spec whose ``CreditPipeline.required_signals`` the batch lacks, or whose method raises,
-    becomes a :class:`Skipped` entry instead. With ``include_saved`` the run's own advantages
-    come first, labelled ``"<spec> (as trained)"``.
-    """
-    from .diagnostics import credit_diagnostics
-    from .spec import CreditPipeline
-
-    check_rollouts(saved)
-    batch = saved_batch(saved)
-    avail = set(available_signals(saved))
-    specs = default_specs(saved) if specs is None else list(specs)
-    views: List[MethodView] = []
-    skipped: List[Skipped] = []
-    if include_saved and saved.get("advantages") is not None:
-        out = CreditOutput(advantages=saved["advantages"].float(), token_weights=_float_or_none(saved.get("token_weights")))
-        name = str(saved.get("credit") or "run")
-        views.append(MethodView(f"{name} (as trained)", name, "saved", out.advantages, out.token_weights, credit_diagnostics(batch, out)))
-    # reference rows carried by the batch (the Monte Carlo true credit of a fidelity estimates
-    # file, see fidelity.rollouts_with_true_credit): label -> [B, T] credit
-    for label, c in (saved.get("reference_rows") or {}).items():
-        c = torch.as_tensor(c).float()
-        views.append(MethodView(label, "reference", "estimated", c, None, credit_diagnostics(batch, CreditOutput(advantages=c))))
-    for spec in specs:
-        try:
-            pipe = CreditPipeline(spec, _credit_configs(credit_args, [m.name for m in _methods(spec)], saved.get("credit_configs")))
-            for name, st in (saved.get("credit_state") or {}).items():
-                if name in pipe.states:
-                    pipe.states[name].load_state_dict(st)
-        except (KeyError, ValueError, TypeError) as e:
-            skipped.append(Skipped(spec, error=str(e.args[0] if e.args else e)))
-            continue
-        missing = sorted(pipe.required_signals - avail)
-        if missing:
-            skipped.append(Skipped(pipe.name, missing=missing))
-            continue
-        try:
-            out = pipe(batch, update_state=False)
-            diag = credit_diagnostics(batch, out)
-        except Exception as e:  # noqa: BLE001 - one method failing must not lose the page
-            skipped.append(Skipped(pipe.name, error=f"{type(e).__name__}: {e}"))
-            continue
-        views.append(MethodView(pipe.name, pipe.name, "replayed", out.advantages.detach().float(),
-                                None if out.token_weights is None else out.token_weights.detach().float(), diag))
-    return Inspection(views=views, skipped=skipped, available=sorted(avail))
-
-
-def _methods(spec: str):
-    from .spec import parse_spec
-
-    return parse_spec(spec)
-
-
-def _float_or_none(x):
-    return None if x is None else torch.as_tensor(x).float()
 
 
 # ---------------------------------------------------------------------------------------

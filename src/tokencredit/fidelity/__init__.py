@@ -29,7 +29,7 @@ from prefix ``h`` (the prompt and the first t response tokens), succeeds; after 
 
 ``tokencredit fidelity`` with no argument scores the bundled reference set
 (``tokencredit/data/fidelity_reference.pt``, built by ``scripts/build_fidelity_set.py``).
-The fidelity package imports the core (inspector, trainer, models, tasks); nothing in the core
+The fidelity package imports the core (records, trainer, models, tasks); nothing in the core
 imports it.
 """
 

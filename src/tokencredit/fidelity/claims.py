@@ -77,7 +77,7 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
     * ``placement``: per method, the share of its |A| on the span of largest |c| and on the last
       span (where the method puts its credit, against where c is).
     """
-    from ..inspector import replay
+    from ..records import replay
     from ..methods.taco import TACOConfig, tail_risk
 
     saved = est["rollouts"]

@@ -85,7 +85,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     then unused; with ``crn`` it is called with ``keys=[(row, position), ...]`` of its prefixes.
     ``crn``: common random numbers for the continuations of neighbouring prefixes
     (:mod:`tokencredit.fidelity.crn`; a setting of the file). Returns the file's content."""
-    from ..inspector import check_rollouts
+    from ..records import check_rollouts
 
     check_rollouts(saved)
     for name, v, lo in (("M", M, 1), ("stride", stride, 1), ("max_new_tokens", max_new_tokens, 1), ("rows_per_batch", rows_per_batch, 1)):
@@ -200,7 +200,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
 
 def load_estimates(path: str | Path, *, require_complete: bool = True) -> Dict[str, Any]:
     """An estimates file (``weights_only=True``), checked; one-line :class:`FidelityError` otherwise."""
-    from ..inspector import check_rollouts
+    from ..records import check_rollouts
 
     p = Path(path)
     if not p.is_file():

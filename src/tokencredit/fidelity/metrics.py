@@ -1,5 +1,5 @@
 """The scores: every method's credit, replayed on an estimates file's batch as ``tokencredit
-inspect`` replays (:func:`tokencredit.inspector.replay`; a method with a critic on the critic
+inspect`` replays (:func:`tokencredit.records.replay`; a method with a critic on the critic
 stored in the file, if any), against the true credit, per trajectory and then averaged, with a
 bootstrap interval that resamples prompt groups (:func:`score`, :func:`format_table`).
 
@@ -205,7 +205,7 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     on the groups with mixed outcomes (the noise references), and ``random``), ``skipped``, the
     expected rank correlation of perfect credit (``perfect_rank_corr``) and the set's description.
     Intervals resample prompt groups."""
-    from ..inspector import replay
+    from ..records import replay
 
     saved = est["rollouts"]
     lengths, stride, rows_idx, success = _scored_rows(est)
@@ -276,7 +276,7 @@ def _with_own_critics(est: Dict[str, Any], views, credit_args: Sequence[str]):
     """``(view, note)`` per replayed view: a spec whose critic method has a critic of its own in
     ``est["critics"]`` (:func:`attach_critic`) is replayed again on those values; the others keep
     the batch's own (note None)."""
-    from ..inspector import replay
+    from ..records import replay
 
     critics = est.get("critics") or {}
     out = []

@@ -25,7 +25,7 @@ def plot_responses(est: Dict[str, Any], path: str | Path, specs: Sequence[str] =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..inspector import replay
+    from ..records import replay
 
     saved = est["rollouts"]
     lengths = _lengths(saved)

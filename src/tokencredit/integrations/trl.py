@@ -73,6 +73,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..batch import CreditBatch
 from ..plan import PlanError, plan_signals
+from ..records import RolloutsRecord
 from ..spec import CreditPipeline
 
 __all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION", "checkpointing_field", "checkpointing_args"]
@@ -380,14 +381,11 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
             self._tc_last_rollouts = self._rollouts_record(out, inputs, batch, res)
         return out
 
-    def _rollouts_record(self, out, inputs, batch, res) -> Dict[str, Any]:
-        """The training batch in the format of the own trainer's ``eval/rollouts_step_*.pt``
-        (``tokencredit.inspector``): signals, credit, tokens, texts, questions, method configs
-        and state."""
-        import copy
-
+    def _rollouts_record(self, out, inputs, batch, res) -> RolloutsRecord:
+        """The training batch in the saved-rollouts format (:class:`tokencredit.records.RolloutsRecord`)
+        of the own trainer's ``eval/rollouts_step_*.pt``: signals, credit, tokens, texts,
+        questions, method configs and state."""
         ids = self._gather_rows(out["completion_ids"], float(self._tokenizer.pad_token_id or 0)).long().cpu()
-        mask = batch.mask.bool().cpu()
         questions = []
         for x in inputs:
             q = x.get(self.prompt_column, x.get("prompt"))
@@ -396,20 +394,8 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
             from accelerate.utils import gather_object
 
             questions = gather_object(questions)
-        decode = self._tokenizer.decode
-        return {
-            "credit": self.credit.name,
-            "credit_configs": {k: dataclasses.asdict(c) for k, c in self.credit.configs.items()},
-            "credit_state": copy.deepcopy(self.credit.state_dict()),
-            "step": int(self.state.global_step),
-            "signals": {k: v.detach().cpu() for k, v in batch.to_dict().items() if isinstance(v, torch.Tensor)},
-            "advantages": res.advantages.detach().cpu(),
-            "token_weights": res.token_weights.detach().cpu() if res.token_weights is not None else None,
-            "response_ids": ids,
-            "tokens": [[decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, mask)],
-            "texts": [decode([int(t) for t, m in zip(row, mrow) if m], skip_special_tokens=True) for row, mrow in zip(ids, mask)],
-            "questions": questions,
-        }
+        return RolloutsRecord.build(self.credit, batch, res, response_ids=ids, tokenizer=self._tokenizer,
+                                    questions=questions, step=int(self.state.global_step) + 1)  # the step that trains on it
 
     def save_rollouts(self, path: Optional[str] = None) -> Optional[str]:
         """Write the last training batch for ``tokencredit inspect`` (default
@@ -422,7 +408,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
             folder = os.path.join(self.args.output_dir, "eval")
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"rollouts_step_{self.state.global_step:08d}.pt")
-        torch.save(record, path)
+        record.save(path)
         return path
 
     def _save_checkpoint(self, model, trial):

@@ -1,5 +1,5 @@
-"""The step batch of a verl run as ``tokencredit inspect`` replays it: the format of the own
-trainer's ``eval/rollouts_step_*.pt`` (:mod:`tokencredit.inspector`), built on the driver from the
+"""The step batch of a verl run as ``tokencredit inspect`` replays it: a
+:class:`tokencredit.records.RolloutsRecord` (the own trainer's ``eval/rollouts_step_*.pt``), built on the driver from the
 fields verl's v1 trainer keeps in TransferQueue. Pure: the trainer mode reads the fields
 (:meth:`.trainer.TokenCreditPPOTrainerSync._tc_rollouts_record`) and saves the record with every
 checkpoint under ``trainer.default_local_dir/eval/``.
@@ -13,11 +13,12 @@ and the spec's configs and state.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from typing import Any, Dict
+from typing import Any
 
 import torch
+
+from ...records import RolloutsRecord
+from ...registry import CreditOutput
 
 __all__ = ["RECORD_FIELDS", "padded", "rollouts_record"]
 
@@ -35,7 +36,7 @@ def _question(messages: Any) -> str:
     return str(users[-1]["content"]) if users else str(messages)
 
 
-def rollouts_record(data, tokenizer, credit, step: int) -> Dict[str, Any]:
+def rollouts_record(data, tokenizer, credit, step: int) -> RolloutsRecord:
     """``data``: the TensorDict of :data:`RECORD_FIELDS` (rows of the step batch without verl's
     padding samples); ``credit``: the driver's ``CreditPipeline`` (its configs and state)."""
     present = set(data.keys())
@@ -45,7 +46,6 @@ def rollouts_record(data, tokenizer, credit, step: int) -> Dict[str, Any]:
     uids = [str(u) for u in data["uid"]]
     order = {u: j for j, u in enumerate(dict.fromkeys(uids))}
     mask = padded(data["response_mask"]).bool()
-    ids = padded(data["responses"]).long()
     signals = {
         "response_mask": mask.long(),
         "rewards": padded(data["rm_scores"]).float().sum(-1),
@@ -54,17 +54,7 @@ def rollouts_record(data, tokenizer, credit, step: int) -> Dict[str, Any]:
     }
     if "entropy" in present:
         signals["entropy"] = padded(data["entropy"]).float() * mask
-    decode = tokenizer.decode
-    return {
-        "credit": credit.name,
-        "credit_configs": {k: dataclasses.asdict(c) for k, c in credit.configs.items()},
-        "credit_state": copy.deepcopy(credit.state_dict()),
-        "step": int(step),
-        "signals": signals,
-        "advantages": padded(data["advantages"]).float() * mask,
-        "token_weights": None,
-        "response_ids": ids,
-        "tokens": [[decode([int(t)]) for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, mask)],
-        "texts": [decode([int(t) for t, m in zip(row, mrow) if m], skip_special_tokens=True) for row, mrow in zip(ids, mask)],
-        "questions": [_question(m) for m in data["raw_prompt"]],
-    }
+    # verl's estimator's advantages; the calibrators run per micro-batch in the actor's loss
+    out = CreditOutput(advantages=padded(data["advantages"]).float() * mask)
+    return RolloutsRecord.build(credit, signals, out, response_ids=padded(data["responses"]).long(), tokenizer=tokenizer,
+                                questions=[_question(m) for m in data["raw_prompt"]], step=step)

@@ -50,6 +50,7 @@ from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 
 from ...batch import CreditBatch
 from ...plan import PlanError, SignalPlan, plan_signals
+from ...records import RolloutsRecord
 from ...spec import CreditPipeline
 from .core import (
     CRITIC_WEIGHTS_FIELD,
@@ -453,7 +454,7 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         self._tc_last_rollouts = self._tc_rollouts_record(out if out is not None else batch)
         return out
 
-    def _tc_rollouts_record(self, batch) -> Dict:
+    def _tc_rollouts_record(self, batch) -> RolloutsRecord:
         """The step's batch as ``tokencredit inspect`` replays it (:func:`.record.rollouts_record`),
         read back from TransferQueue; written with every checkpoint (:meth:`_save_checkpoint`)."""
         import transfer_queue as tq
@@ -578,7 +579,7 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         if record is not None:  # what `tokencredit inspect DEFAULT_LOCAL_DIR` replays
             folder = os.path.join(self.config.trainer.default_local_dir, "eval")
             os.makedirs(folder, exist_ok=True)
-            torch.save(record, os.path.join(folder, f"rollouts_step_{self.global_steps:08d}.pt"))
+            record.save(os.path.join(folder, f"rollouts_step_{self.global_steps:08d}.pt"))
         if self.tokencredit_credit.states:
             folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
             save_credit_state(folder, self.tokencredit_credit)
