@@ -179,7 +179,7 @@ def test_bad_rewards_are_counted_failures_in_training_and_eval(tmp_path, reward)
     n_eval = len(tr.task.eval) * (1 + tr.cfg.log.eval_samples)
     assert row["eval/failed_error"] == n_eval and row["eval/failed_timeout"] == 0
     assert row["eval/greedy_acc"] == 0.0 and row["eval/mean@1"] == 0.0
-    assert row["reward/failed_error"] == 4 and row["reward/mean"] == 0.0  # 2 prompts x 2 samples
+    assert row["reward/failed_error"] == 4 and row["reward"] == 0.0  # 2 prompts x 2 samples
     assert (tmp_path / "run" / "checkpoints" / "step_00000001" / "state.pt").exists()
 
 
@@ -274,6 +274,7 @@ OUT_OF_RANGE = {
     "rollout.temperature": _FLOAT_LT0,
     "rollout.top_p": st.one_of(_FLOAT_LE0, st.floats(min_value=1.0001, allow_nan=False, allow_infinity=False)),
     "rollout.sampler": None,
+    "rollout.backend": st.sampled_from(["VLLM", "sglang", "hf "]),
     "optim.lr": _FLOAT_LE0,
     "optim.weight_decay": _FLOAT_LT0,
     "optim.betas": st.sampled_from([(0.9, 1.0), (-0.1, 0.99), (1.5, 0.5)]),
