@@ -30,7 +30,9 @@ def _ex(answer: str, question: str = "What is 23 + 45?") -> Example:
 
 
 def test_list_tasks_names_every_task():
-    assert set(list_tasks()) == set(PROCEDURAL) | {"gsm8k", "math"}
+    from tokencredit.controlled import CONTROLLED  # bench's tasks (tests/test_bench.py): train and eval share the space
+
+    assert set(list_tasks()) == set(PROCEDURAL) | {"gsm8k", "math"} | set(CONTROLLED)
 
 
 @pytest.mark.parametrize("name", PROCEDURAL)
