@@ -85,7 +85,8 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("layer", ["tokencredit.methods", "tokencredit.losses"])
 def test_lower_layers_do_not_import_upper_ones(layer):
     forbidden = ("tokencredit.diagnostics", "tokencredit.trainer", "tokencredit.integrations", "tokencredit.cli",
-                 "tokencredit.plan", "tokencredit.passes", "tokencredit.compare", "tokencredit.inspector")
+                 "tokencredit.plan", "tokencredit.passes", "tokencredit.compare", "tokencredit.inspector",
+                 "tokencredit.records")
     if layer == "tokencredit.losses":
         forbidden += ("tokencredit.registry", "tokencredit.spec", "tokencredit.methods")
     bad = {m: sorted(d for d in deps if any(d == f or d.startswith(f + ".") for f in forbidden))  # (planning is not plan)

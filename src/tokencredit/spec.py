@@ -9,7 +9,7 @@ A bare calibrator name means the pairing of its paper (``"taco"`` is ``"grpo+tac
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
@@ -17,7 +17,7 @@ from .batch import CreditBatch, CreditInputError
 from .registry import CreditOutput, MethodInfo, get_method
 from .ops import masked_fill_zero
 
-__all__ = ["parse_spec", "CreditPipeline", "compute_credit"]
+__all__ = ["parse_spec", "CreditPipeline", "compute_credit", "credit_batch"]
 
 
 def parse_spec(spec: str) -> List[MethodInfo]:
@@ -96,7 +96,8 @@ class CreditPipeline:
         return next(iter(found.values()), None)
 
     def __call__(self, batch: CreditBatch, *, update_state: bool = True) -> CreditOutput:
-        """Credit for ``batch``.
+        """Credit for ``batch``: :meth:`estimate`, then :meth:`calibrate` (the two halves a
+        distributed trainer runs apart, the driver and the workers).
 
         With ``update_state`` (call once per optimisation step) each stateful method's controller
         first takes one step from this batch, whose signals are measured before the update, and
@@ -108,12 +109,33 @@ class CreditPipeline:
         if not isinstance(batch, CreditBatch):
             raise TypeError(f"batch: expected a CreditBatch, got {type(batch).__name__}")
         state_metrics = self.update_state(batch) if update_state else {}
+        out = self.calibrate(batch, self.estimate(batch))
+        out.metrics.update(state_metrics)
+        return out
+
+    def estimate(self, batch: CreditBatch, *, update_state: bool = False) -> CreditOutput:
+        """The driver's half: with ``update_state`` the controllers' step (:meth:`update_state`),
+        then the estimator's output as it returns it (its advantages, token weights, returns and
+        metrics, the controllers' metrics after them). :meth:`calibrate` completes it."""
+        if not isinstance(batch, CreditBatch):
+            raise TypeError(f"batch: expected a CreditBatch, got {type(batch).__name__}")
+        state_metrics = self.update_state(batch) if update_state else {}
         est = self.estimator
         batch.require(est.name, sorted(est.requires))
         out = est.fn(batch, self.configs[est.name])
-        adv = out.advantages
-        metrics = dict(out.metrics)
-        weights = out.token_weights
+        return CreditOutput(advantages=out.advantages, token_weights=out.token_weights, returns=out.returns,
+                            metrics={**out.metrics, **state_metrics})
+
+    def calibrate(self, batch: CreditBatch, estimated: CreditOutput | torch.Tensor) -> CreditOutput:
+        """The workers' half: the calibrators, in order, on ``estimated`` (:meth:`estimate`'s
+        output, or advantages [B, T] alone where the estimator ran elsewhere), reading the
+        current state (never stepping it). Token weights are the product of the estimator's and
+        every calibrator's; advantages and weights are 0 at masked positions."""
+        if not isinstance(batch, CreditBatch):
+            raise TypeError(f"batch: expected a CreditBatch, got {type(batch).__name__}")
+        if isinstance(estimated, torch.Tensor):
+            estimated = CreditOutput(advantages=estimated)
+        adv, weights, metrics = estimated.advantages, estimated.token_weights, dict(estimated.metrics)
         for cal in self.calibrators:
             batch.require(cal.name, sorted(cal.requires))
             res = cal.fn(batch, adv, self.configs[cal.name], self.states.get(cal.name))
@@ -126,8 +148,22 @@ class CreditPipeline:
             raise FloatingPointError(f"credit spec '{self.name}' produced non-finite advantages")
         if weights is not None:
             weights = masked_fill_zero(weights, batch.mask)
-        metrics.update(state_metrics)
-        return CreditOutput(advantages=adv, token_weights=weights, returns=out.returns, metrics=metrics)
+        return CreditOutput(advantages=adv, token_weights=weights, returns=estimated.returns, metrics=metrics)
+
+    @property
+    def calibrator_signals(self) -> frozenset:
+        """The signals :meth:`calibrate` reads (the calibrators' declared ones)."""
+        return frozenset().union(*(m.requires for m in self.calibrators))
+
+    @property
+    def state_signals(self) -> frozenset:
+        """The signals the stateful methods' controllers read in :meth:`update_state`: each state
+        class's ``requires`` (its method's when it declares none)."""
+        out = set()
+        for m in self.methods:
+            if m.state_cls is not None:
+                out |= set(getattr(m.state_cls, "requires", m.requires))
+        return frozenset(out)
 
     def update_state(self, batch: CreditBatch) -> Dict[str, float]:
         """One controller step of every stateful method from ``batch`` (the step's batch, signals
@@ -151,6 +187,32 @@ class CreditPipeline:
 
     def __repr__(self) -> str:
         return f"CreditPipeline({self.name!r}, configs={self.configs!r})"
+
+
+def credit_batch(response_mask: torch.Tensor, signals: Mapping[str, Optional[torch.Tensor]], *,
+                 need: Optional[Iterable[str]] = None, rewards: Optional[torch.Tensor] = None,
+                 group_ids: Optional[torch.Tensor] = None) -> CreditBatch:
+    """A :class:`CreditBatch` of whatever signals a trainer has (by ``CreditBatch`` name): those
+    in ``need`` (a pipeline's ``required_signals``, ``calibrator_signals`` or ``state_signals``;
+    every given one when None), detached, floating ones as float32. ``rewards`` and
+    ``group_ids`` default to zeros and one group a row: for the halves that read no outcome
+    (calibrators, controllers that read batch statistics), never for an estimator. A needed
+    signal the trainer lacks is left out: the method that reads it names it."""
+    keep = None if need is None else set(need)
+    B = response_mask.shape[0]
+    dev = response_mask.device
+    given = {}
+    for k, v in signals.items():
+        if v is None or (keep is not None and k not in keep):
+            continue
+        v = v.detach()
+        given[k] = v.float() if v.is_floating_point() else v
+    return CreditBatch(
+        response_mask=response_mask,
+        rewards=torch.zeros(B, dtype=torch.float32, device=dev) if rewards is None else rewards,
+        group_ids=torch.arange(B, device=dev) if group_ids is None else group_ids,
+        **given,
+    )
 
 
 def compute_credit(spec: str, batch: CreditBatch, **configs: Any) -> CreditOutput:

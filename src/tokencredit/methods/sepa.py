@@ -87,6 +87,9 @@ class SEPAController:
     """SEPA's checkpointed state: the number of steps taken, the correctness gate, and the
     pooling strength resolved for the last step (the one its credit used)."""
 
+    #: the signals ``update`` reads beyond the mask and rewards (``CreditPipeline.state_signals``)
+    requires = ()
+
     def __init__(self, config: SEPAConfig):
         if not isinstance(config, SEPAConfig):
             raise TypeError(f"config: expected a SEPAConfig, got {type(config).__name__}")

@@ -149,6 +149,9 @@ class StareController:
     entropy is measured before the update.
     """
 
+    #: the signals ``update`` reads (``CreditPipeline.state_signals``: what a trainer hands it)
+    requires = ("entropy",)
+
     def __init__(self, config: StareConfig):
         if not isinstance(config, StareConfig):
             raise TypeError(f"config: expected a StareConfig, got {type(config).__name__}")

@@ -15,9 +15,8 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
-from ...batch import CreditBatch, CreditInputError
-from ...ops import masked_fill_zero
-from ...spec import CreditPipeline
+from ...batch import CreditInputError
+from ...spec import CreditPipeline, credit_batch
 from .settings import (
     ENV_VAR,
     LOSS_MODE,
@@ -55,34 +54,17 @@ def calibrate(
     The estimator already ran on the driver; here only the per-token reweighting happens, on the
     micro-batch the loss sees. ``signals`` holds detached [B, T] tensors by CreditBatch name.
     """
-    need = set()
-    for cal in pipeline.calibrators:
-        need |= cal.requires
+    need = pipeline.calibrator_signals
     missing = sorted(s for s in need if signals.get(s) is None)
     if missing:
         hints = "; ".join(f"{s}: {LOSS_SIGNAL_HINTS.get(s, UNSUPPORTED_SIGNALS.get(s, 'not available'))}" for s in missing)
         raise CreditInputError(
             f"credit spec '{pipeline.name}' needs {missing} in verl's policy loss, which did not get them ({hints})"
         )
-    mask = response_mask.bool()
-    B = mask.shape[0]
-    # calibrators read no outcome; rewards and groups only complete the batch contract
-    batch = CreditBatch(
-        response_mask=mask,
-        rewards=torch.zeros(B, dtype=torch.float32, device=mask.device),
-        group_ids=torch.arange(B, device=mask.device),
-        **{k: v.detach().float() for k, v in signals.items() if v is not None and k in need},
-    )
-    adv = advantages.detach().float()
-    metrics: Dict[str, float] = {}
-    for cal in pipeline.calibrators:
-        res = cal.fn(batch, adv, pipeline.configs[cal.name], pipeline.states.get(cal.name))
-        adv = res.advantages
-        metrics.update(res.metrics)
-    adv = masked_fill_zero(adv, mask)
-    if not torch.isfinite(adv).all():
-        raise FloatingPointError(f"credit spec '{pipeline.name}' produced non-finite advantages")
-    return adv.to(advantages.dtype), metrics
+    # the spec's own worker half (CreditPipeline.calibrate, the one the own trainer runs):
+    # calibrators read no outcome, rewards and groups only complete the batch contract
+    out = pipeline.calibrate(credit_batch(response_mask.bool(), signals, need=need), advantages.detach().float())
+    return out.advantages.to(advantages.dtype), out.metrics
 
 
 

@@ -48,10 +48,9 @@ from omegaconf import DictConfig
 
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 
-from ...batch import CreditBatch
 from ...plan import PlanError, SignalPlan, plan_signals
 from ...records import RolloutsRecord
-from ...spec import CreditPipeline
+from ...spec import CreditPipeline, credit_batch
 from .core import (
     CRITIC_WEIGHTS_FIELD,
     ENGINE_MODEL_TYPE,
@@ -307,17 +306,10 @@ def check_trainer_config(config: DictConfig) -> VerlCreditSettings:
 
 def step_credit_state(credit: CreditPipeline, response_mask: torch.Tensor, signals: Mapping[str, torch.Tensor]) -> Dict[str, float]:
     """One controller step of every stateful method of ``credit`` from the step batch (signals of
-    the pre-update old-log-prob pass); returns the controllers' metrics. Rows are not grouped
-    for this (controllers read batch statistics only)."""
-    mask = response_mask.bool()
-    B = mask.shape[0]
-    batch = CreditBatch(
-        response_mask=mask,
-        rewards=torch.zeros(B),
-        group_ids=torch.arange(B),
-        **{k: v.float() for k, v in signals.items() if k in ("entropy", "logprobs")},
-    )
-    return credit.update_state(batch)
+    the pre-update old-log-prob pass; the ones the controllers declare, ``state_signals``);
+    returns the controllers' metrics. Rows are not grouped for this (controllers read batch
+    statistics only)."""
+    return credit.update_state(credit_batch(response_mask.bool(), signals, need=credit.state_signals))
 
 
 def critic_values(plan: SignalPlan, raw_values: torch.Tensor) -> torch.Tensor:
@@ -414,9 +406,7 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         import transfer_queue as tq
 
         credit, plan = self.tokencredit_credit, self.tokencredit_plan
-        need = set(credit.estimator.requires)
-        if credit.states:
-            need |= {"entropy"}
+        need = set(credit.estimator.requires) | set(credit.state_signals)
         if not need:
             return self._tc_estimate(batch, metrics)
         fields = ["response_mask"]
