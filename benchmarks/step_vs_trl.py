@@ -177,7 +177,7 @@ def run_ours(args) -> Dict[str, Any]:
             trainer.step += 1
             times.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
-            tokens.append(metrics["response/len_mean"] * n)
+            tokens.append(metrics["completions/mean_length"] * n)
             phases.end_step()
     expected = _prompt_order(task, args.seed, args.steps * args.prompts)
     return {

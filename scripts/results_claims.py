@@ -69,7 +69,7 @@ def curves(root: Path, spec: str, seeds) -> dict:
     res = {}
     for s in seeds:
         rows = read_metrics(root / spec / f"seed{s}" / "metrics.jsonl")
-        ent = [r["entropy/mean"] for r in rows if "entropy/mean" in r]
+        ent = [r["entropy"] for r in rows if "entropy" in r]  # (compare.read_metrics reads entropy/mean of older runs as entropy)
         res[s] = {
             "entropy_first3": statistics.fmean(ent[:3]) if ent else float("nan"),
             "entropy_last3": statistics.fmean(ent[-3:]) if ent else float("nan"),

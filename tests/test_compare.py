@@ -121,10 +121,10 @@ def test_report_table_matches_the_metrics_files(compared):
         per_seed = [read_metrics(out / spec / f"seed{k}" / "metrics.jsonl") for k in SEEDS]
         final = [[r for r in rows if "eval/greedy_acc" in r][-1]["eval/greedy_acc"] for rows in per_seed]
         best = [max(r["eval/greedy_acc"] for r in rows if "eval/greedy_acc" in r and r["step"] > 0) for rows in per_seed]
-        reward = [statistics.mean(r["reward/mean"] for r in rows if "reward/mean" in r) for rows in per_seed]
+        reward = [statistics.mean(r["reward"] for r in rows if "reward" in r) for rows in per_seed]
         gini = [statistics.mean(r["diag/weight_gini"] for r in rows if "diag/weight_gini" in r) for rows in per_seed]
         etr = [statistics.mean(r["diag/weight_etr"] for r in rows if "diag/weight_etr" in r) for rows in per_seed]
-        sps = [statistics.mean(r["time/step_s"] for r in rows if "time/step_s" in r) for rows in per_seed]
+        sps = [statistics.mean(r["step_time"] for r in rows if "step_time" in r) for rows in per_seed]
         row = table[spec]
         for header, vals in [
             ("final greedy acc", final), ("best greedy acc", best), ("reward (run mean)", reward),
@@ -139,7 +139,7 @@ def test_report_table_matches_the_metrics_files(compared):
     for spec in SPECS:
         per_seed = [read_metrics(out / spec / f"seed{k}" / "metrics.jsonl") for k in SEEDS]
         assert summary[spec]["reward"]["values"] == pytest.approx(
-            [statistics.mean(r["reward/mean"] for r in rows if "reward/mean" in r) for rows in per_seed], abs=1e-12
+            [statistics.mean(r["reward"] for r in rows if "reward" in r) for rows in per_seed], abs=1e-12
         )
 
 
@@ -184,7 +184,7 @@ def test_interrupted_run_resumes_and_matches_a_straight_run(compared, tmp_path):
     assert not (out / "report.md").exists()
     # a row logged after the last checkpoint (then lost by a crash) and a torn line
     with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 2.0, "reward/mean": 99.0}) + "\n" + '{"step": 3.0, "rew')
+        f.write(json.dumps({"step": 2.0, "reward": 99.0}) + "\n" + '{"step": 3.0, "rew')
 
     fac = Factory()
     result = run_compare(_base(steps=3), "grpo", "0", out, trainer_factory=fac, progress=False)
@@ -195,7 +195,7 @@ def test_interrupted_run_resumes_and_matches_a_straight_run(compared, tmp_path):
     assert steps == sorted(set(steps)) and steps[-3:] == [1, 2, 3]  # each step once, the stale row gone
 
     def strip(rows):
-        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+        return [{k: v for k, v in r.items() if not (k.startswith("time/") or k == "step_time")} for r in rows]
 
     # steps 1-2 of the resumed 3-step run are steps 1-2 of the straight 2-step run (eval every step)
     assert strip([r for r in raw if r["step"] <= 2]) == strip(read_metrics(straight_out / "grpo" / "seed0" / "metrics.jsonl"))
@@ -206,13 +206,13 @@ def test_a_run_without_checkpoint_starts_over(tmp_path):
     out = tmp_path / "cmp"
     run = out / "grpo" / "seed0"
     run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1.0, "reward/mean": 99.0}) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1.0, "reward": 99.0}) + "\n")
     fac = Factory()
     result = run_compare(_base(steps=2, eval_every=100), "grpo", "0", out, trainer_factory=fac, progress=False)
     assert result["runs"] == {("grpo", 0): "started"} and fac.configs[0].resume is False
     raw = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [int(r["step"]) for r in raw if r["step"] > 0] == [1, 2]
-    assert all(r.get("reward/mean") != 99.0 for r in raw)
+    assert all(r.get("reward") != 99.0 for r in raw)
 
 
 def test_a_run_of_another_configuration_is_an_error(compared, monkeypatch):
@@ -285,7 +285,7 @@ def test_summary_and_report_of_synthetic_runs():
     def rows(accs, rewards):
         out = [{"step": 0.0, "eval/greedy_acc": 0.9}]  # a step-0 baseline is not a "best"
         for i, (a, r) in enumerate(zip(accs, rewards), 1):
-            row = {"step": float(i), "reward/mean": r, "time/step_s": 2.0}
+            row = {"step": float(i), "reward": r, "step_time": 2.0}
             if a is not None:
                 row["eval/greedy_acc"] = a
             out.append(row)

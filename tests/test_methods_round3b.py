@@ -219,7 +219,7 @@ def test_the_own_trainer_trains_with_clip_cov_and_kl_cov(tmp_path, loss):
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     tr.train()
     m = _metrics(tmp_path / "run" / "metrics.jsonl")[-1]
-    assert math.isfinite(m["loss/policy"]) and f"loss/{name}/ratio_mean" in m
+    assert math.isfinite(m["loss"]) and f"loss/{name}/ratio_mean" in m
     acted = m["loss/clip_cov/cov_clip_frac"] if name == "clip_cov" else m["loss/kl_cov/penalised_frac"]
     assert acted > 0
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if p.requires_grad)

@@ -459,3 +459,147 @@ def test_one_verl_style_function_gets_the_same_arguments_in_train_trl_and_verl(t
     assert json.loads(first)["row"] == {"ground_truth": "1", "data_source": "toy0", "index": 0, "split": "train",
                                         "record": str(record), "extra_info": {"index": 0, "split": "train", "record": str(record)}}
     assert json.loads(first)["completion"] == [["content", "role"]]  # one assistant message
+
+
+# -- 12. TRL's metric names, each metric once; the small things a user sees every run -------------
+
+#: TRL's GRPOTrainer names (trl/trainer/grpo_trainer.py, transformers' Trainer for loss and
+#: learning_rate) of the metrics the own trainer has too
+TRL_NAMES = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "learning_rate", "loss",
+             "step_time", "num_tokens", "completions/mean_length", "completions/clipped_ratio", "reward", "reward_std",
+             "frac_reward_zero_std", "kl", "grad_norm")
+#: the names they replace (never logged: a metric is logged once)
+OLD_NAMES = ("entropy/mean", "loss/ppo/clip_frac_low", "loss/ppo/clip_frac_high", "loss/ppo/clip_frac", "lr", "loss/policy",
+             "time/step_s", "reward/mean", "response/len_mean", "response/truncated_frac", "loss/kl")
+
+
+def test_the_own_trainer_logs_trls_metric_names_once(tmp_path, caplog):
+    from tokencredit.config import LogConfig, LossConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.runfolder import read_metrics
+    from tokencredit.testing import tiny_model_and_tokenizer
+    from tokencredit.trainer import Trainer
+
+    cfg = TrainConfig(
+        steps=2, output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"), task=TaskConfig(name="add1", n_train=8, n_eval=2),
+        rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=3, temperature=1.0),
+        optim=OptimConfig(micro_batch_size=4), loss=LossConfig(kl_coef=0.1),
+        log=LogConfig(eval_every=1, eval_samples=0, progress=False, eval_at_start=False, save_rollouts=False),
+    )
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    with caplog.at_level(logging.WARNING):
+        Trainer(cfg, model=model, tokenizer=tok).train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    for row in rows:
+        assert [k for k in TRL_NAMES if k not in row] == [], sorted(row)
+        assert [k for k in OLD_NAMES if k in row] == []
+    # num_tokens: the prompt and completion tokens trained on so far (TRL's num_input_tokens_seen)
+    assert 0 < rows[0]["num_tokens"] < rows[1]["num_tokens"]
+    assert not [m for m in caplog.messages if "deprecated" in m.lower()]
+
+
+class _Bar:
+    def __init__(self):
+        self.postfix = None
+
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        self.postfix = kw
+
+
+def test_the_progress_bar_shows_the_last_eval_accuracy_between_evals():
+    from tokencredit.trainer import _show_progress
+
+    bar = _Bar()
+    _show_progress(bar, {"reward": 0.5, "entropy": 1.0}, 0.5)
+    assert "acc" not in bar.postfix  # no eval yet: nothing, never "nan"
+    _show_progress(bar, {"reward": 0.5, "entropy": 1.0, "eval/greedy_acc": 0.75}, 0.5)
+    assert bar.postfix["acc"] == "0.75" and bar.postfix["reward"] == "0.50" and bar.postfix["entropy"] == "1.000"
+    _show_progress(bar, {"reward": 0.25, "entropy": 1.0}, 0.5)
+    assert bar.postfix["acc"] == "0.75"  # the last eval's, until the next one
+
+
+def test_eval_samples_carry_the_answer_of_a_ground_truth_column(tmp_path, tiny_cli):
+    rows = [{"prompt": f"What is {i} + 1?", "ground_truth": str(i + 1)} for i in range(10)]
+    data = tmp_path / "gt.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, err = _cli(["train", *_tiny_flags(tmp_path, data), "--reward.funcs", "numeric", "--steps", "1"])
+    assert code == 0, err
+    samples = [json.loads(x) for x in (tmp_path / "run" / "eval" / "samples_step_00000001.jsonl").read_text().splitlines()]
+    assert samples and [s["answer"] for s in samples] == [str(int(s["question"].split()[2]) + 1) for s in samples]
+
+
+def test_the_saved_trl_batch_is_labelled_with_the_step_that_trained_on_it(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+
+    from tokencredit.inspector import load_rollouts
+    from tokencredit.integrations.trl import TokenCreditGRPOTrainer, checkpointing_args
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=2.0)
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+1="}]} for i in range(4)])
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=3, report_to="none", save_strategy="steps", save_steps=2,
+                      disable_tqdm=True, seed=0, **checkpointing_args(False))
+    TokenCreditGRPOTrainer(model=model, reward_funcs=all_none_then_len, args=args, processing_class=tok, train_dataset=ds).train()
+    saved = load_rollouts(tmp_path / "out")  # eval/rollouts_step_00000002.pt: the batch of step 2
+    assert saved["step"] == 2
+
+
+def all_none_then_len(completions, **kwargs):
+    return [float(len(c[-1]["content"]) % 2) for c in completions]
+
+
+def test_the_help_gives_each_section_its_own_description(capsys):
+    from tokencredit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    # --overwrite's help once (its own), not again as the model and task sections' descriptions
+    assert out.count("start again in an output_dir") == 1
+
+
+class _NewCacheName(__import__("torch").nn.Module):
+    """A model as transformers >= 5.2x has it: the KV cache is ``cache`` (``past_key_values`` a
+    deprecated alias): a call or an output read by the old name fails here."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, logits_to_keep=0,
+                output_hidden_states=False):
+        from types import SimpleNamespace
+
+        o = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                       use_cache=use_cache, logits_to_keep=logits_to_keep, output_hidden_states=output_hidden_states)
+        return SimpleNamespace(logits=o.logits, hidden_states=o.hidden_states, cache=o.past_key_values)
+
+
+def test_forward_passes_use_the_cache_name_the_model_has():
+    import torch
+
+    from tokencredit.forward import cache_name, checkpointing_on, forward_response
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    model, _ = tiny_model_and_tokenizer(seed=0)
+    assert cache_name(model) == "past_key_values" or cache_name(model) == "cache"
+    new = _NewCacheName(model)
+    assert cache_name(new) == "cache" and checkpointing_on(model) is False
+    ids = torch.tensor([[3, 4, 5, 6, 7], [3, 4, 5, 8, 9]])  # one prompt (3 tokens) shared by two rows
+    att = torch.ones_like(ids)
+    _, shared = forward_response(new, ids, att, 3)
+    _, plain = forward_response(model, ids, att, 3, share_prompts=False)
+    assert torch.allclose(shared, plain, atol=1e-5)
+
+
+def test_metrics_of_runs_written_before_trls_names_are_read_by_the_new_names(tmp_path):
+    from tokencredit.compare import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1.0, "reward/mean": 0.5, "entropy/mean": 1.5, "time/step_s": 2.0}) + "\n")
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row == {"step": 1.0, "reward": 0.5, "entropy": 1.5, "step_time": 2.0}

@@ -118,7 +118,7 @@ def digest(out: Path, exact: bool = False) -> dict:
         if p.is_dir() or rel.startswith(".lock"):
             continue
         if p.name == "metrics.jsonl":
-            d[rel] = [[[k, v] for k, v in json.loads(line).items() if not k.startswith("time/")]
+            d[rel] = [[[k, v] for k, v in json.loads(line).items() if not (k.startswith("time/") or k == "step_time")]
                       for line in p.read_text().splitlines()]
         elif p.suffix == ".jsonl":
             d[rel] = [json.loads(line) for line in p.read_text().splitlines()]

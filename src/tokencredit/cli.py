@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace, rest: List[str]) -> int:
         return 0
     path = trainer.export()
     print(f"final model written to {path}")
-    keys = [k for k in ("reward/mean", "eval/greedy_acc", f"eval/mean@{cfg.log.eval_samples}", "entropy/mean") if k in last]
+    keys = [k for k in ("reward", "eval/greedy_acc", f"eval/mean@{cfg.log.eval_samples}", "entropy") if k in last]
     print("last step: " + ", ".join(f"{k}={last[k]:.3f}" for k in keys))
     return 0
 

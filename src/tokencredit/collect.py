@@ -89,14 +89,13 @@ def collect(next_examples: Callable, generate: Callable, score_batch: Callable, 
 
 def rollout_metrics(col: Dict[str, Any], step: int) -> Dict[str, float]:
     """The metrics of :func:`collect`'s result at (1-based) ``step``, with TRL's names for the
-    rewards and completions (rewards/NAME/mean|std, reward, reward_std, frac_reward_zero_std,
-    completions/*)."""
+    rewards and completions (rewards/NAME/mean|std, reward (the mean unshaped reward of every
+    round), reward_std, frac_reward_zero_std, completions/*), each once."""
     from .reward_metrics import completion_metrics, reward_metrics
 
     parts = col["parts"]
     metrics: Dict[str, float] = {
         "step": float(step),
-        "reward/mean": float(col["all_correct"].mean()),
         "reward/failed_error": float(col["failed"]["error"]),
         "reward/failed_timeout": float(col["failed"]["timeout"]),
         "rollout/rounds": float(col["rounds"]),
@@ -108,11 +107,9 @@ def rollout_metrics(col: Dict[str, Any], step: int) -> Dict[str, float]:
 
 
 def batch_metrics(batch, samples_per_prompt: int) -> Dict[str, float]:
-    """The kept batch's (a ``StepBatch``) lengths, truncation, shaped reward and group count."""
-    mask = batch.response_mask.bool()
+    """The kept batch's (a ``StepBatch``) shaped reward and group count (its lengths and
+    truncation are the rollout's ``completions/*``: each metric is logged once)."""
     return {
-        "response/len_mean": float(mask.sum(1).float().mean()),
-        "response/truncated_frac": float(batch.truncated.float().mean()),
         "reward/shaped_mean": float(batch.rewards.mean()),
         "groups/count": float(len(batch) // samples_per_prompt),
     }

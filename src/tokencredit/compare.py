@@ -51,13 +51,16 @@ __all__ = [
 #: (metrics.jsonl key, label) of every curve plotted and summarised
 METRICS: Tuple[Tuple[str, str], ...] = (
     ("eval/greedy_acc", "eval greedy accuracy"),
-    ("reward/mean", "mean reward"),
-    ("entropy/mean", "entropy"),
-    ("response/len_mean", "response length"),
+    ("reward", "mean reward"),
+    ("entropy", "entropy"),
+    ("completions/mean_length", "response length"),
     ("diag/weight_gini", "weight Gini"),
     ("diag/weight_etr", "effective-token ratio"),
-    ("time/step_s", "seconds per step"),
+    ("step_time", "seconds per step"),
 )
+#: a metric's name in runs written before TRL's names (read as the new one when that is missing)
+_OLD_NAMES = {"reward/mean": "reward", "entropy/mean": "entropy", "response/len_mean": "completions/mean_length",
+              "time/step_s": "step_time", "lr": "learning_rate", "loss/policy": "loss"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -174,6 +177,9 @@ def read_metrics(path: Path, max_step: Optional[int] = None) -> List[Dict[str, f
         step = int(step)
         if max_step is not None and step > max_step:
             continue
+        for old, new in _OLD_NAMES.items():
+            if old in row and new not in row:
+                row[new] = row.pop(old)
         by_step[step] = row
     return [by_step[s] for s in sorted(by_step)]
 
@@ -288,12 +294,12 @@ COLUMNS: Tuple[Tuple[str, str], ...] = (
 )
 
 _RUN_MEAN_KEYS = {
-    "reward": "reward/mean",
-    "entropy": "entropy/mean",
-    "length": "response/len_mean",
+    "reward": "reward",
+    "entropy": "entropy",
+    "length": "completions/mean_length",
     "gini": "diag/weight_gini",
     "etr": "diag/weight_etr",
-    "sec_per_step": "time/step_s",
+    "sec_per_step": "step_time",
 }
 
 

@@ -161,8 +161,8 @@ class TrainConfig:
     resume: bool = False  # continue output_dir's run from its latest checkpoint (same settings)
     # start again in an output_dir that holds a run: the old run's files are moved to <output_dir>.old-<k>
     overwrite: bool = False
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy, and the frozen models a method may need
+    task: TaskConfig = field(default_factory=TaskConfig)  # a built-in task and its reward
     data: DataConfig = field(default_factory=DataConfig)  # own data: --data.path replaces task.name's task
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

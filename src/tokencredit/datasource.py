@@ -6,7 +6,7 @@ hub id ``owner/name[:config]``. The row's prompt is the column ``data.prompt_col
 (TRL's standard prompt-only layout) or a list of chat messages (TRL's conversational layout,
 verl's parquet ``prompt``). The reference answer, if any, is ``data.answer_column`` (a dotted name
 reaches into a mapping: verl's ``reward_model.ground_truth``); unset, the first of ``answer``,
-``solution``, ``reward_model.ground_truth`` the rows have. Every other column goes to the reward
+``solution``, ``ground_truth``, ``reward_model.ground_truth`` the rows have. Every other column goes to the reward
 functions as a keyword argument (TRL's contract). Nothing is appended to own prompts unless
 ``data.prompt_template`` says so (``"{prompt}\\nPut your final answer within \\\\boxed{}."``);
 ``data.system_prompt`` adds a system message.
@@ -53,7 +53,7 @@ EVAL_SEED = 1234
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(?::[\w.-]+)?$")
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-_ANSWER_GUESSES = ("answer", "solution", "reward_model.ground_truth")
+_ANSWER_GUESSES = ("answer", "solution", "ground_truth", "reward_model.ground_truth")
 
 
 class DatasetError(ValueError):

@@ -19,7 +19,34 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["forward_response", "distinct_rows", "prompt_cache", "positions"]
+__all__ = ["cache_name", "checkpointing_on", "forward_response", "distinct_rows", "prompt_cache", "positions"]
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def cache_name(model) -> str:
+    """The name of ``model``'s KV cache (its ``forward`` / ``generate`` keyword and its output's
+    field): ``cache`` where transformers renamed it (there ``past_key_values`` is a deprecated
+    alias that warns), else ``past_key_values``."""
+    import inspect
+
+    try:
+        params = inspect.signature(_base(model).forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def checkpointing_on(model) -> bool:
+    """Whether ``model`` recomputes activations in backward (``is_activation_checkpointing``,
+    ``is_gradient_checkpointing`` in older transformers, where the other is missing)."""
+    base = _base(model)
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name first: the old one warns
+        if hasattr(type(base), name):
+            return bool(getattr(base, name))
+    return False
 
 
 def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +93,7 @@ def prompt_cache(model, ids: torch.Tensor, mask: torch.Tensor, first: torch.Tens
         input_ids=p_ids, attention_mask=p_att, position_ids=positions(p_att),
         use_cache=True, logits_to_keep=last, output_hidden_states=hidden,
     )
-    cache = out.past_key_values
+    cache = getattr(out, cache_name(model))
     cache.batch_select_indices(inverse)
     return out, cache
 
@@ -88,7 +115,7 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
     if not 1 <= P < L:
         raise ValueError(f"prompt_len: expected 1 <= prompt_len < {L} (input length), got {prompt_len}")
     groups = None
-    if share_prompts and not getattr(model, "is_gradient_checkpointing", False):
+    if share_prompts and not checkpointing_on(model):
         # (gradient checkpointing turns the KV cache off in training, so nothing could be shared)
         groups = distinct_rows(input_ids[:, :P], attention_mask[:, :P])
     if groups is None:
@@ -113,7 +140,7 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
     keep = torch.arange(T - 1, device=input_ids.device)
     ro = model(
         input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=r_pos,
-        past_key_values=cache, use_cache=True, logits_to_keep=keep, output_hidden_states=hidden,
+        use_cache=True, logits_to_keep=keep, output_hidden_states=hidden, **{cache_name(model): cache},
     )
     logits = torch.cat([logits0, ro.logits], dim=1) if T > 1 else logits0
     h = torch.cat([h0, ro.hidden_states[-1]], dim=1) if hidden else None

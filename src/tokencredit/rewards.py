@@ -9,7 +9,9 @@ through :mod:`tokencredit.integrations.verl.rewards`, in verl::
 ``prompts`` and ``completions`` are texts, or chat messages for conversational data (a
 completion is then ``[{"role": "assistant", "content": text}]``); ``completion_ids`` the token
 ids; every other column of the row comes as a keyword argument holding one value per completion
-(a prompt's K samples repeat its row), plus ``trainer_state`` (``global_step``, ``max_steps``),
+(a prompt's K samples repeat its row; a verl-layout row as the verl adapter reads it:
+``ground_truth``, ``data_source``, ``extra_info`` and its keys, :func:`reward_columns`), plus
+``trainer_state`` (``global_step``, ``max_steps``),
 ``log_metric(name, value)`` (logged as ``rewards/extra/NAME``) and ``log_extra`` (accepted,
 ignored). It returns one float (any range) per completion, or ``None`` for "not applicable".
 ``--reward.funcs mod:fn file.py:fn math numeric`` names them (built-ins: :data:`BUILTINS`),
@@ -20,18 +22,23 @@ functions that scored it (``nansum``, TRL's ``sum_then_normalize``).
 start method, spawn where there is none), so a call that passes its budget is ended, not
 abandoned: the worker is killed and a fresh one takes the next call. A call's budget is
 ``timeout_s`` per completion it scores. The worker ignores Ctrl-C (the trainer decides), is a
-daemon process (it cannot keep a finished run alive) and receives its arguments pickled, so each
-call works on its own copy of the rows: a function that mutates ``kwargs["prompt"]`` changes
-nothing the trainer sees. Loading a function (importing its module) is bounded separately
-(:data:`LOAD_TIMEOUT_S`), so a slow import does not count against a call.
+daemon process (it cannot keep a finished run alive) and leads its own session: it is killed as a
+process group, so what a function starts (a ``fork()``, a subprocess it waits on) ends with it.
+It receives its arguments pickled, so each call works on its own copy of the rows: a function
+that mutates ``kwargs["prompt"]`` changes nothing the trainer sees. A function's module is
+imported and checked in the worker, never in the trainer's process (:func:`load_reward_funcs`,
+:func:`load_reward_fn`), bounded separately (:data:`LOAD_TIMEOUT_S`), so a slow import does not
+count against a call and one that hangs is ended in one line.
 
 **Failures.** A call that raises, returns the wrong number of values or passes its budget fails
 for every completion it was given; a value that is not a finite real number (a string ``"1.0"``,
 NaN) fails for its completion. A failed value counts as "not scored" (NaN, left out of the
 weighted sum like ``None``) and is counted (``reward/failed_error``, ``reward/failed_timeout``,
 ``rewards/NAME/failed``). A function that fails on every completion of ``max_failing_steps``
-consecutive training steps stops the run with :class:`RewardFailure`, one line naming the
-function, the row and the exception.
+consecutive training steps, or of every step of a shorter run (at its last step), stops the run
+with :class:`RewardFailure`, one line naming the function, the row and the exception. A return
+value that is a dict is refused (never read by its keys); a function that returns None for every
+completion of a step is warned about once.
 """
 
 from __future__ import annotations
@@ -782,7 +789,7 @@ def runner_for(cfg: Any, task: Any) -> RewardRunner:
         if not getattr(task, "has_default_reward", True):
             raise RewardFnError(
                 "reward.funcs: expected reward functions (--reward.funcs module:function ...): the data has no "
-                "answer column for the built-in math reward (answer, solution or reward_model.ground_truth; "
+                "answer column for the built-in math reward (answer, solution, ground_truth or reward_model.ground_truth; "
                 "data.answer_column names another)"
             )
         funcs = [per_sample_func(task.scorer, task.reward_range)]

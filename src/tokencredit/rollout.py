@@ -383,22 +383,24 @@ class HFRollout:
             hf.generation_config = saved
 
     def _shared_prefix(self, enc, prompt_index: torch.Tensor, device) -> Dict[str, object]:
-        """``past_key_values`` for generate: every distinct prompt but its last token, run once.
+        """The KV cache for generate (``past_key_values``, ``cache`` in newer transformers): every
+        distinct prompt but its last token, run once.
 
         ``generate`` would prefill each of the K copies of a prompt on its own; the states are the
         same for all of them, so the prompt is run once and its KV cache indexed out to its rows
         (generate then runs the last prompt token and decodes as usual: same logits up to float
         rounding). Nothing is shared when every row has its own prompt.
         """
-        from .forward import prompt_cache
+        from .forward import cache_name, prompt_cache
 
         uniq, inverse = torch.unique(prompt_index, return_inverse=True)
         P = int(enc["input_ids"].shape[1])
         if len(uniq) == len(prompt_index) or P < 2:
             return {}
         ids, att = enc["input_ids"][:, : P - 1].to(device), enc["attention_mask"][:, : P - 1].to(device)
-        _, cache = prompt_cache(self.generation_model(), ids, att, uniq.to(device), inverse.to(device))
-        return {"past_key_values": cache}
+        model = self.generation_model()
+        _, cache = prompt_cache(model, ids, att, uniq.to(device), inverse.to(device))
+        return {cache_name(model): cache}
 
     @staticmethod
     def _bucketed_rows(prompt_index: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:

@@ -199,6 +199,7 @@ class Trainer:
         # -- run state ------------------------------------------------------------------
         self.step = 0
         self.epoch = 0
+        self.num_tokens = 0  # prompt + completion tokens of the steps trained (checkpointed)
         self.offset = 0
         self._resumed = False  # the checkpoint of cfg.resume is loaded once (a second train() goes on)
         self.signals = StopSignals()  # SIGINT / SIGTERM while train() runs (runcontrol)
@@ -241,10 +242,13 @@ class Trainer:
         if self.critic is not None:
             metrics.update(self._update_critic(batch, sig, credit, old_logprobs))
 
-        # 6. log: the learning rate and timings; the batch is kept for an eval's saved rollouts
-        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        # 6. log (TRL's names where TRL has the metric): the learning rate, the tokens trained on so
+        # far and timings; the batch is kept for an eval's saved rollouts
+        metrics["learning_rate"] = float(self.scheduler.get_last_lr()[0])
+        self.num_tokens += int(batch.attention_mask.sum())  # prompt + completion tokens (TRL's num_tokens)
+        metrics["num_tokens"] = float(self.num_tokens)
         dt = time.perf_counter() - t0
-        metrics["time/step_s"] = dt
+        metrics["step_time"] = dt
         metrics["time/rollout_s"] = t_roll
         metrics["time/tokens_per_s"] = float(batch.response_mask.bool().sum()) / max(dt, 1e-9)
         self._last_batch = {"batch": batch, "credit_batch": cb, "credit": credit, "credit_state": credit_state}
@@ -547,6 +551,7 @@ class Trainer:
         return {
             "step": self.step,
             "epoch": self.epoch,
+            "num_tokens": self.num_tokens,
             "offset": self.offset,
             "model": trainable,
             "optimizer": self.optimizer.state_dict(),
@@ -573,6 +578,7 @@ class Trainer:
             self.critic_opt.load_state_dict(sd["critic_opt"])
         self.rollout.weights_changed()
         self.step, self.epoch, self.offset = sd["step"], sd["epoch"], sd["offset"]
+        self.num_tokens = int(sd.get("num_tokens", 0))  # (checkpoints written before it: from 0)
         self._order = self._permutation(self.epoch)
         set_rng_state(sd["rng"])
 
@@ -647,12 +653,17 @@ def _frozen_copy(model):
 
 
 def _show_progress(bar, metrics: Dict[str, float], clipped_warn_ratio: float) -> None:
+    """The bar's line: reward, entropy, tokens/s, the last eval's accuracy (none before the first
+    eval; kept between evals), and ``clipped`` when most completions hit the budget."""
     bar.update(1)
+    if "eval/greedy_acc" in metrics:
+        bar._tokencredit_acc = metrics["eval/greedy_acc"]
+    acc = getattr(bar, "_tokencredit_acc", None)
     bar.set_postfix(
-        reward=f"{metrics['reward/mean']:.2f}",
-        entropy=f"{metrics.get('entropy/mean', float('nan')):.3f}",
+        reward=f"{metrics.get('reward', float('nan')):.2f}",
+        entropy=f"{metrics.get('entropy', float('nan')):.3f}",
         tok_s=f"{metrics.get('time/tokens_per_s', 0):.0f}",
-        acc=f"{metrics.get('eval/greedy_acc', float('nan')):.2f}",
+        **({"acc": f"{acc:.2f}"} if acc is not None else {}),
         **({"clipped": f"{metrics['completions/clipped_ratio']:.2f}!"}
            if metrics.get("completions/clipped_ratio", 0.0) > clipped_warn_ratio else {}),
     )

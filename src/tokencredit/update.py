@@ -146,11 +146,22 @@ class PolicyUpdate:
             self.optimizer.step()
             self.weights_changed()
         self.scheduler.step()
-        out = {f"loss/{k}": v for k, v in sums.items()}
+        out = {_TRL_NAMES.get(k, f"loss/{k}"): v for k, v in sums.items()}
         out["grad_norm"] = grad_norm
-        out["entropy/mean"] = ent_sum / max(float(batch.response_mask.sum()), 1.0)
+        out["entropy"] = ent_sum / max(float(batch.response_mask.sum()), 1.0)
         out.update(corr_metrics)
         return out
+
+
+#: the loss's metrics that TRL's GRPOTrainer logs too, under TRL's names (each logged once);
+#: the rest are logged as ``loss/NAME`` (``loss/ppo/ratio_mean``, ...)
+_TRL_NAMES = {
+    "policy": "loss",
+    "kl": "kl",
+    "ppo/clip_frac_low": "clip_ratio/low_mean",
+    "ppo/clip_frac_high": "clip_ratio/high_mean",
+    "ppo/clip_frac": "clip_ratio/region_mean",
+}
 
 
 def critic_step(critic, optimizer, spec, hidden: torch.Tensor, *, rewards, returns, mask, weights, steps: int, step: int) -> float:

@@ -72,7 +72,7 @@ class RestrictedPolicy:
         """``[len(nodes), len(allowed)]`` float64 log pi_R(. | prompt + node); nodes of one length.
         The prompt runs once per chunk and its KV cache is indexed out to the chunk's nodes
         (:func:`tokencredit.forward.prompt_cache`), so only the nodes' own tokens are forwarded."""
-        from ..forward import prompt_cache
+        from ..forward import cache_name, prompt_cache
 
         out = []
         idx = torch.tensor(list(self.allowed))
@@ -91,8 +91,8 @@ class RestrictedPolicy:
                     ids = torch.tensor([list(x) for x in part], dtype=torch.long)
                     att = torch.ones((n, p_ids.shape[1] + d), dtype=torch.long)
                     pos = torch.arange(p_ids.shape[1], p_ids.shape[1] + d).expand(n, d)
-                    logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
-                                        use_cache=True).logits[:, -1].double()
+                    logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True,
+                                        **{cache_name(self.model): cache}).logits[:, -1].double()
                 out.append(torch.log_softmax(logits[:, idx] / self.temperature, -1))
         finally:
             self.model.train(was)

@@ -31,7 +31,7 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
     (:mod:`tokencredit.fidelity.crn`)."""
     from transformers import GenerationConfig
 
-    from ..forward import prompt_cache
+    from ..forward import cache_name, prompt_cache
     from ..rollout import HFRollout, _finite_check_processor, response_mask_from_ids
 
     if M < 1 or len(prefixes) == 0:
@@ -67,7 +67,7 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
             if share and L >= 2:
                 _, cache = prompt_cache(model, ids[:, : L - 1].to(device), att[:, : L - 1].to(device),
                                         torch.arange(U, device=device), inverse.to(device))
-                extra["past_key_values"] = cache
+                extra[cache_name(model)] = cache
             out = model.generate(input_ids=rows_ids, attention_mask=rows_att, generation_config=gen_cfg,
                                  logits_processor=processors, **extra)
     finally:
