@@ -121,3 +121,29 @@ def test_state_signals_are_declared_and_enough():
     part = CreditPipeline("grpo+taco+stare", SPECS["grpo+taco+stare"])
     part.update_state(credit_batch(mask, signals, need=part.state_signals))
     assert part.state_dict() == full.state_dict() and full.state_dict()["stare"]["W"] != 1.1
+
+
+def test_one_credit_state_file_for_every_integration(tmp_path):
+    import json
+
+    from tokencredit.spec import load_credit_state, save_credit_state
+
+    a = CreditPipeline("grpo+stare", stare={"adaptive": True})
+    a.update_state(_batch())
+    p = save_credit_state(tmp_path / "credit_state.json", a)
+    assert json.loads(p.read_text()) == {"spec": "grpo+stare", "state": a.state_dict()}
+    b = CreditPipeline("grpo+stare", stare={"adaptive": True})
+    load_credit_state(p, b)
+    assert b.state_dict() == a.state_dict() != CreditPipeline("grpo+stare", stare={"adaptive": True}).state_dict()
+    with pytest.raises(ValueError, match=r"credit state of spec 'grpo\+stare', expected 'rloo\+stare'"):
+        load_credit_state(p, CreditPipeline("rloo+stare"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad\.json: not a credit state file") as e:
+        load_credit_state(tmp_path / "bad.json", b)
+    assert "\n" not in str(e.value)
+    # the verl plugin's tokencredit_state.json is the same file
+    tct = pytest.importorskip("tokencredit.integrations.verl.trainer")
+    c = CreditPipeline("grpo+stare", stare={"adaptive": True})
+    (tmp_path / "global_step_1").mkdir()
+    (tmp_path / "global_step_1" / tct.STATE_FILE).write_text(p.read_text())
+    assert tct.load_credit_state(str(tmp_path / "global_step_1"), c) and c.state_dict() == a.state_dict()

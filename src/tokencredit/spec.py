@@ -9,6 +9,9 @@ A bare calibrator name means the pairing of its paper (``"taco"`` is ``"grpo+tac
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
@@ -17,7 +20,7 @@ from .batch import CreditBatch, CreditInputError
 from .registry import CreditOutput, MethodInfo, get_method
 from .ops import masked_fill_zero
 
-__all__ = ["parse_spec", "CreditPipeline", "compute_credit", "credit_batch"]
+__all__ = ["parse_spec", "CreditPipeline", "compute_credit", "credit_batch", "save_credit_state", "load_credit_state"]
 
 
 def parse_spec(spec: str) -> List[MethodInfo]:
@@ -213,6 +216,57 @@ def credit_batch(response_mask: torch.Tensor, signals: Mapping[str, Optional[tor
         group_ids=torch.arange(B, device=dev) if group_ids is None else group_ids,
         **given,
     )
+
+
+def _state_to_json(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return {"__tensor__": x.detach().cpu().tolist(), "dtype": str(x.dtype).replace("torch.", "")}
+    if isinstance(x, dict):
+        return {str(k): _state_to_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_state_to_json(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return x.item()
+    return x
+
+
+def _state_from_json(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"__tensor__", "dtype"}:
+            return torch.tensor(x["__tensor__"], dtype=getattr(torch, x["dtype"]))
+        return {k: _state_from_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_state_from_json(v) for v in x]
+    return x
+
+
+def save_credit_state(path: str | Path, credit: CreditPipeline) -> Path:
+    """The credit state of ``credit`` as the integrations' checkpoints keep it: a JSON file
+    ``{"spec": name, "state": state_dict}`` (tensors as ``{"__tensor__": values, "dtype": ..}``),
+    written whole (a temporary file renamed). The own trainer keeps the same ``state_dict`` in
+    its checkpoint."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"spec": credit.name, "state": _state_to_json(credit.state_dict())}, f, indent=1)
+    os.replace(tmp, p)
+    return p
+
+
+def load_credit_state(path: str | Path, credit: CreditPipeline) -> None:
+    """Restore ``credit``'s state from a :func:`save_credit_state` file; a one-line ``ValueError``
+    naming the file for another spec or a file that is not one."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a credit state file ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("state"), dict):
+        raise ValueError(f"{path}: expected a JSON object with 'spec' and 'state' (a credit state file)")
+    if d.get("spec") != credit.name:
+        raise ValueError(f"{path}: credit state of spec '{d.get('spec')}', expected '{credit.name}' (this trainer's credit spec)")
+    credit.load_state_dict(_state_from_json(d["state"]))
 
 
 def compute_credit(spec: str, batch: CreditBatch, **configs: Any) -> CreditOutput:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import warnings
@@ -74,7 +73,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..batch import CreditBatch
 from ..plan import PlanError, plan_signals
 from ..records import RolloutsRecord
-from ..spec import CreditPipeline
+from ..spec import CreditPipeline, load_credit_state, save_credit_state
 
 __all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION", "checkpointing_field", "checkpointing_args"]
 
@@ -181,28 +180,6 @@ def _in_trl_terms(message: str, model) -> str:
 
 
 # -- JSON round trip of method state (tensors become tagged lists) ------------------------
-def _to_json(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return {"__tensor__": x.detach().cpu().tolist(), "dtype": str(x.dtype).replace("torch.", "")}
-    if isinstance(x, dict):
-        return {str(k): _to_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_to_json(v) for v in x]
-    if hasattr(x, "item") and callable(x.item):  # numpy scalars
-        return x.item()
-    return x
-
-
-def _from_json(x: Any) -> Any:
-    if isinstance(x, dict):
-        if set(x) == {"__tensor__", "dtype"}:
-            return torch.tensor(x["__tensor__"], dtype=getattr(torch, x["dtype"]))
-        return {k: _from_json(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_from_json(v) for v in x]
-    return x
-
-
 class TokenCreditGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with token-level advantages from a tokencredit credit spec.
 
@@ -416,9 +393,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         self.save_rollouts()
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            payload = {"spec": self.credit.name, "state": _to_json(self.credit.state_dict())}
-            with open(os.path.join(folder, CREDIT_STATE_NAME), "w") as f:
-                json.dump(payload, f, indent=1)
+            save_credit_state(os.path.join(folder, CREDIT_STATE_NAME), self.credit)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -433,14 +408,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                     stacklevel=2,
                 )
             return
-        with open(path) as f:
-            payload = json.load(f)
-        if payload.get("spec") != self.credit.name:
-            raise ValueError(
-                f"{path}: the checkpoint was trained with credit '{payload.get('spec')}', this trainer uses "
-                f"'{self.credit.name}'"
-            )
-        self.credit.load_state_dict(_from_json(payload["state"]))
+        load_credit_state(path, self.credit)
 
     # -- credit ----------------------------------------------------------------------------
     def _gather_rows(self, x: torch.Tensor, pad: float) -> torch.Tensor:

@@ -37,7 +37,6 @@ method names:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from functools import partial
@@ -51,6 +50,8 @@ from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from ...plan import PlanError, SignalPlan, plan_signals
 from ...records import RolloutsRecord
 from ...spec import CreditPipeline, credit_batch
+from ...spec import load_credit_state as spec_load_credit_state
+from ...spec import save_credit_state as spec_save_credit_state
 from .core import (
     CRITIC_WEIGHTS_FIELD,
     ENGINE_MODEL_TYPE,
@@ -320,11 +321,8 @@ def critic_values(plan: SignalPlan, raw_values: torch.Tensor) -> torch.Tensor:
 
 
 def save_credit_state(folder: str, credit: CreditPipeline) -> str:
-    path = os.path.join(folder, STATE_FILE)
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"spec": credit.name, "state": credit.state_dict()}, f)
-    return path
+    """``folder/tokencredit_state.json`` (:func:`tokencredit.spec.save_credit_state`'s format)."""
+    return str(spec_save_credit_state(os.path.join(folder, STATE_FILE), credit))
 
 
 def load_credit_state(folder: str, credit: CreditPipeline) -> bool:
@@ -333,11 +331,7 @@ def load_credit_state(folder: str, credit: CreditPipeline) -> bool:
     if not os.path.exists(path):
         log.warning("tokencredit: %s has no %s; the credit state starts fresh", folder, STATE_FILE)
         return False
-    with open(path) as f:
-        d = json.load(f)
-    if d.get("spec") != credit.name:
-        raise ValueError(f"{path}: credit state of spec '{d.get('spec')}', expected '{credit.name}'")
-    credit.load_state_dict(d["state"])
+    spec_load_credit_state(path, credit)
     return True
 
 
