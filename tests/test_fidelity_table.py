@@ -24,6 +24,7 @@ and the diff of tests/data/ shows what moved (docs/fidelity.md quotes these tabl
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -55,7 +56,8 @@ def same_json(got, want, where: str = "") -> None:
     the first place they differ."""
     if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
         tol = ABS_RANK if "rank_corr" in where else max(REL * abs(want), ABS)
-        assert got == want or abs(got - want) <= tol, f"{where}: {got!r} != {want!r}"
+        same = got == want or (math.isnan(got) and math.isnan(want)) or abs(got - want) <= tol
+        assert same, f"{where}: {got!r} != {want!r}"
     elif isinstance(want, dict):
         assert isinstance(got, dict) and list(got) == list(want), f"{where}: keys {list(got) if isinstance(got, dict) else got!r} != {list(want)}"
         for k in want:

@@ -80,6 +80,7 @@ def _train(args: argparse.Namespace, rest: List[str]) -> int:
     print("last step: " + ", ".join(f"{k}={last[k]:.3f}" for k in keys))
     return 0
 
+
 def _eval_data(cfg, rest: List[str]):
     """``eval``'s own data (``--data.path``): every row of the eval file (of ``data.path`` itself
     when it has no eval split), at most ``task.n_eval`` only when that is asked for. None for a
@@ -107,7 +108,6 @@ def _eval_rows_line(task, cfg) -> str:
     if n == src["of"]:
         return f"eval: scoring all {n} rows of {src['where']!r}"
     return f"eval: scoring {n} of {src['of']} rows of {src['where']!r} (task.n_eval {cfg.task.n_eval})"
-
 
 
 def _eval(args: argparse.Namespace, rest: List[str]) -> int:
