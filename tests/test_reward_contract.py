@@ -16,14 +16,11 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,7 +30,8 @@ from tokencredit.datasource import Example
 from tokencredit.grading import answers_match, extract_final_answer, numeric_accuracy
 from tokencredit.rewards import RewardFailure, RewardRunner, load_reward_funcs
 
-ROOT = Path(__file__).resolve().parents[1]
+from test_reliability import _cli, tiny_cli  # noqa: F401 (the command line in-process, the tiny model as any named one)
+
 
 
 # -- reward functions, imported by name in the worker process ("test_reward_contract:NAME") -----
@@ -76,28 +74,6 @@ def _tiny_flags(tmp_path, data):
             str(tmp_path / "run"), "--rollout.prompts-per-step", "2", "--rollout.samples-per-prompt", "2",
             "--rollout.max-new-tokens", "4", "--optim.micro-batch-size", "4", "--log.eval-samples", "0",
             "--log.no-progress", "--log.no-eval-at-start", "--save-every", "1"]
-
-
-@pytest.fixture
-def tiny_cli(monkeypatch):
-    """The command line with the tiny random model in place of the named one."""
-    import tokencredit.models as models
-    from tokencredit.testing import tiny_model_and_tokenizer
-
-    monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
-
-
-def _cli(argv):
-    """main(argv) -> (exit code, stderr)."""
-    from tokencredit.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
 
 
 @pytest.fixture
