@@ -215,8 +215,7 @@ def check_run(name: str, run: Run, ranks: int = 1) -> None:
         for loss in step_losses:
             # 2. each rank's loss got its rows of the estimator's advantages, row for row
             rows_ = rows_of(loss, est)
-            if covered[rows_].any():  # seen once in CI-like run of 2026-12-06 after the credit-step change (issue 31.1); under investigation
-                pytest.xfail("two ranks got the same rows (open: seen after the verl driver/worker credit-step change, 2026-12-06)")
+            assert not covered[rows_].any(), "two ranks got the same rows"
             covered[rows_] = True
             # 3. the advantages verl's base policy loss received = the core's calibrators on the loss's
             #    micro-batch (its signals, the state shipped with the loss), from the estimator's credit
