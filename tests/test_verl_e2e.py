@@ -161,14 +161,20 @@ LOSS_SIGNALS = {"signal.entropy": "entropy", "signal.mode_prob": "mode_prob",
                 "signal.hidden_residual": "hidden_residual", "signal.ref_logprobs": "ref_logprobs"}
 
 
-def rows_of(loss: dict, est: dict) -> slice:
-    """The rows of the driver's batch a loss call got: the contiguous slice whose advantages it
-    received (each rank gets its contiguous share; one micro-batch per rank and step)."""
-    adv, n = est["advantages"], loss["advantages_in"].shape[0]
+def rows_of(loss: dict, est: dict, taken: torch.Tensor) -> slice:
+    """The rows of the driver's batch a loss call got: the contiguous slice, of rows no other rank
+    got (``taken``), whose advantages and response mask it received (each rank gets its
+    contiguous share; one micro-batch per rank and step). Rows alike in both (a step whose rewards
+    all tie has all-zero advantages) are told apart by ``taken``: a rank handed rows another rank
+    already got finds no free slice and fails."""
+    adv, mask, n = est["advantages"], est["response_mask"], loss["advantages_in"].shape[0]
     for start in range(adv.shape[0] - n + 1):
-        if torch.equal(adv[start:start + n], loss["advantages_in"]):
-            return slice(start, start + n)
-    raise AssertionError(f"the loss got advantages that are no {n} consecutive rows of the estimator's")
+        rows = slice(start, start + n)
+        if (not taken[rows].any() and torch.equal(adv[rows], loss["advantages_in"])
+                and torch.equal(mask[rows].bool(), loss["response_mask"].bool())):
+            return rows
+    raise AssertionError(f"the loss got advantages that are no {n} consecutive rows of the estimator's "
+                         f"that no other rank got")
 
 
 def loss_batch(loss: dict, est: dict, rows: slice, needs) -> CreditBatch:
@@ -214,8 +220,7 @@ def check_run(name: str, run: Run, ranks: int = 1) -> None:
         covered = torch.zeros(eb.response_mask.shape[0], dtype=torch.bool)
         for loss in step_losses:
             # 2. each rank's loss got its rows of the estimator's advantages, row for row
-            rows_ = rows_of(loss, est)
-            assert not covered[rows_].any(), "two ranks got the same rows"
+            rows_ = rows_of(loss, est, covered)
             covered[rows_] = True
             # 3. the advantages verl's base policy loss received = the core's calibrators on the loss's
             #    micro-batch (its signals, the state shipped with the loss), from the estimator's credit
