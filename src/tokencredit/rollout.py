@@ -12,13 +12,18 @@ are contiguous, ``prompt_index`` says which prompt a row answers):
     response_mask  [N, T]  1 up to and including the first EOS, 0 after it
     truncated      [N]     True when the response hit max_new_tokens without an EOS
 
-``behaviour_logprobs[i, t] = log_softmax(logits_t / temperature)[response_ids[i, t]]`` of the
-raw logits, i.e. the temperature-scaled policy the tokens were drawn from: recorded step by step
-inside ``generate`` (``_DrawnLogprobs``), or, with ``sampler="multinomial"``, from the logits
-``generate`` returns (``output_logits=True``). Top-p truncation is NOT reflected (a token inside the nucleus has a
-larger probability under the truncated distribution); TRL and verl likewise recompute the
-old log-probs with a plain forward, and with ``top_p = 1`` (the default) there is nothing to
-reflect. Greedy decoding (``temperature == 0``) reports ``log_softmax(logits)`` (temperature 1).
+``behaviour_logprobs[i, t]`` is the log of the probability with which the sampler drew
+``response_ids[i, t]``: ``log_softmax(warp(logits_t / temperature))[token]``, where ``warp`` is
+the top-p truncation (the logits outside the nucleus set to -inf), so a token inside the nucleus
+gets its probability renormalised over the nucleus (``log p - log S``, S the nucleus mass; vLLM's
+``processed_logprobs``). With ``top_p = 1`` (the default) nothing is truncated and the values are
+``log_softmax(logits_t / temperature)[token]`` of the whole vocabulary. ``RolloutBatch.behaviour_distribution``
+says which: ``"full"`` or ``"truncated"``. Recorded step by step inside ``generate``
+(``_DrawnLogprobs``, after the warpers), or, with ``sampler="multinomial"``, from the logits
+``generate`` returns (``output_logits=True``) through the same warpers. The trainer's own
+log-probs are of the whole vocabulary: under top-p a rollout correction against these weighs
+the update by the full policy over the sampler's (``docs/training.md``, rollout correction).
+Greedy decoding (``temperature == 0``) reports ``log_softmax(logits)`` (temperature 1, "full").
 Masked positions hold 0.
 
 A vLLM (or other) backend only has to implement :class:`RolloutBackend`.
@@ -82,9 +87,10 @@ class _DrawnLogprobs:
     """A logits processor that records the log-probs of the drawn tokens, one step late: each call
     gathers the previous step's ``log_softmax(scores)`` at the token drawn from it (the last of
     ``input_ids``) and keeps only this step's, so a call holds one [n, V] block instead of
-    ``generate``'s ``output_logits`` (rows x new tokens x V floats). Placed after the temperature
-    warper and before top-p, ``scores`` are ``logits / T``: the values equal
-    ``log_softmax(logits / T)`` of the returned logits, bit for bit."""
+    ``generate``'s ``output_logits`` (rows x new tokens x V floats). Placed after the warpers and
+    right before the draw, ``scores`` are what the token is drawn from (``logits / T``, top-p
+    truncated when ``top_p < 1``): the values are the log-probs of the sampling distribution, and
+    with ``top_p = 1`` equal ``log_softmax(logits / T)`` of the returned logits, bit for bit."""
 
     def __init__(self):
         self.prev = None
@@ -113,7 +119,7 @@ def _sampling_processors(temperature: float, top_p: float, record: Optional[_Dra
     ``torch.multinomial``); the cost is not: torch's CPU ``multinomial`` draws an exponential
     variate for every vocabulary entry, 185 ms of a 128-row step of the embedded model against
     9 ms for a cumulative sum and a binary search (docs/performance.md)."""
-    from transformers import LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers import LogitsProcessor
 
     class _InverseCDFSample(LogitsProcessor):
         def __call__(self, input_ids, scores):
@@ -123,14 +129,20 @@ def _sampling_processors(temperature: float, top_p: float, record: Optional[_Dra
             out = torch.full_like(scores, float("-inf"))
             return out.scatter_(1, tok.unsqueeze(-1), 0.0)
 
+    # the log-probs are recorded from the scores the draw sees: after temperature AND top-p
+    return _warpers(temperature, top_p) + ([record] if record is not None else []) + [_InverseCDFSample()]
+
+
+def _warpers(temperature: float, top_p: float) -> list:
+    """HF's temperature and top-p warpers, as ``generate`` applies them (none when off)."""
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
     warpers = []
     if temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(float(temperature)))
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1))
-    nucleus = warpers[1:] if temperature != 1.0 else warpers
-    head = warpers[:1] if temperature != 1.0 else []
-    return head + ([record] if record is not None else []) + nucleus + [_InverseCDFSample()]
+    return warpers
 
 
 Messages = Sequence[Dict[str, str]]
@@ -149,6 +161,9 @@ class RolloutBatch:
     texts: List[str]  # decoded responses, special tokens skipped
     truncated: torch.Tensor  # [N] bool
     temperature: float = 1.0  # the temperature the log-probs are scaled with (1.0 for greedy)
+    # which distribution behaviour_logprobs are of: "full" (log_softmax(logits / T) over the whole
+    # vocabulary) or "truncated" (renormalised over the top-p / top-k support the sampler drew from)
+    behaviour_distribution: str = "full"
 
     def __len__(self) -> int:
         return int(self.response_ids.shape[0])
@@ -504,8 +519,12 @@ class HFRollout:
                         lp = record.logprobs(out.sequences[:, cP:]).cpu()
                     else:
                         lp = torch.zeros(resp.shape, dtype=torch.float32)
+                        nucleus = _warpers(1.0, float(top_p))  # generate's top-p, on the scaled logits
                         for t, logits in enumerate(out.logits):  # one [n, V] tensor per new token
-                            logp = F.log_softmax(logits.float() / t_lp, dim=-1)
+                            scores = logits.float() / t_lp
+                            for w in nucleus:
+                                scores = w(None, scores)
+                            logp = F.log_softmax(scores, dim=-1)
                             lp[:, t] = logp.gather(-1, resp[:, t : t + 1].to(logp.device)).squeeze(-1).cpu()
                     del out
                     chunks.append((rows, resp, lp))
@@ -538,6 +557,7 @@ class HFRollout:
             texts=decoded,
             truncated=truncated,
             temperature=t_lp,
+            behaviour_distribution="truncated" if not greedy and top_p < 1 else "full",
         )
 
 
@@ -556,7 +576,9 @@ class ReplayRollout:
     ``max_new_tokens``. Default: :func:`seeded_responses` over the tokenizer's non-special tokens.
     ``behaviour_logprobs`` are the model's, teacher-forced on the replayed tokens
     (``log_softmax(logits / temperature)``; temperature 0 reports temperature 1, as
-    :class:`HFRollout` does), so the loss sees a consistent behaviour policy.
+    :class:`HFRollout` does), so the loss sees a consistent behaviour policy; they are of the whole
+    vocabulary (``behaviour_distribution="full"``: the tokens were not drawn from the model, and
+    ``top_p`` is not applied).
     """
 
     def __init__(self, model, tokenizer, responses=None, *, p_stop: float = 0.25):

@@ -313,4 +313,5 @@ class VLLMRollout:
             behaviour_logprobs=behaviour, prompt_index=prompt_index,
             texts=tok.batch_decode([response_ids[i, : lengths[i]].tolist() for i in range(N)], skip_special_tokens=True),
             truncated=truncated, temperature=t_lp,
+            behaviour_distribution="truncated" if temperature > 0 and top_p < 1 else "full",  # processed_logprobs
         )

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .batch import SIGNALS, CreditBatch
-from .checkpoint import (check_output_dir, check_weights, copy_weights, latest_checkpoint, rng_state, save_checkpoint,
+from .checkpoint import (check_output_dir, latest_checkpoint, load_weights, rng_state, save_checkpoint,
                          set_rng_state)
 from .collect import batch_metrics, collect, reward_scores, rollout_metrics, score
 from .config import ConfigError, TrainConfig, config_to_dict
@@ -273,7 +273,7 @@ class Trainer:
             self.load_state_dict(sd)
             self._resumed, resume_step = True, self.step
             print(f"resumed from {ck} at step {self.step}")
-        self._open_logs(resume_step)
+        self.open_logs(resume_step)
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.log.progress, desc=f"train {self.credit.name}")
         last: Dict[str, float] = {}
         try:
@@ -528,15 +528,16 @@ class Trainer:
         d.mkdir(parents=True, exist_ok=True)
         write_samples(d / f"samples_step_{self.step:08d}.jsonl", samples)
         if self.cfg.log.save_rollouts and getattr(self, "_last_batch", None) is not None:
-            self._save_rollouts(d / f"rollouts_step_{self.step:08d}.pt")
+            self.save_rollouts(d / f"rollouts_step_{self.step:08d}.pt")
         return metrics
 
-    def _save_rollouts(self, path: Path) -> None:
-        """The last training batch with every signal we can compute, for later inspection."""
+    def save_rollouts(self, path: Path) -> None:
+        """The last training batch with every signal we can compute, for later inspection
+        (``inspect``, ``fidelity``), to ``path``."""
         torch.save(rollouts_record(self.credit, self._last_batch, self.tokenizer, self.step), path)
 
     # -- logs and checkpoints -----------------------------------------------------------------
-    def _open_logs(self, resume_step: Optional[int] = None) -> None:
+    def open_logs(self, resume_step: Optional[int] = None) -> None:
         """config.json, and metrics.jsonl opened for whole-line appends (runfolder.RunLog): a torn
         last line is cut off, and on resume (``resume_step``) the rows past the checkpoint are dropped."""
         log = self.cfg.log
@@ -567,14 +568,11 @@ class Trainer:
         """Load a checkpoint's state; its weights must be exactly the model's trainable weights
         (and the critic's), each of the same shape and dtype (a ``CheckpointError`` naming the
         first that is not: nothing is broadcast, nothing half-loaded)."""
-        if self.critic is not None:
-            check_weights(sd.get("critic"), self.critic.state_dict(), "checkpoint", part="critic")
-        copy_weights(self.model, sd.get("model"), "checkpoint")
+        load_weights(sd, self.model, self.critic)
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
         self.credit.load_state_dict(sd["credit"])
         if self.critic is not None:
-            self.critic.load_state_dict(sd["critic"])
             self.critic_opt.load_state_dict(sd["critic_opt"])
         self.rollout.weights_changed()
         self.step, self.epoch, self.offset = sd["step"], sd["epoch"], sd["offset"]
@@ -634,12 +632,15 @@ def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=Non
         )
     except PlanError as e:
         raise ConfigError(str(e)) from None
-    if (cfg.precision == "bf16" or cfg.loss.rollout_is or cfg.loss.rollout_rs) and "logprobs" not in plan.policy:
+    truncated = cfg.rollout.top_p < 1 and cfg.rollout.temperature > 0
+    if (cfg.precision == "bf16" or cfg.loss.rollout_is or cfg.loss.rollout_rs or truncated) and "logprobs" not in plan.policy:
         # bf16 samples from a bf16 copy of the weights and updates under autocast: the rollout's
         # log-probs differ from the update's by up to tens of percent on single tokens
         # (docs/performance.md), so the old log-probs come from the policy in the update's
         # numerics; with one epoch that is the update's own forward, at no extra cost. A rollout
-        # correction needs them too (against the sampler's, which would otherwise be the old ones)
+        # correction needs them too (against the sampler's, which would otherwise be the old ones),
+        # and so does top-p: the sampler's are then of the nucleus-renormalised distribution,
+        # the update's of the whole vocabulary (rollout.HFRollout)
         plan = dataclasses.replace(plan, policy=plan.policy + ("logprobs",))
     return plan
 
