@@ -47,6 +47,22 @@ rendered and tokenised by TRL's ``_tokenize_prompts``, or after the student's ow
 signals are computed on the policy of the generation step: with TRL's default
 ``steps_per_generation == gradient_accumulation_steps`` and ``num_iterations == 1`` that is the
 policy the update starts from.
+
+Rollout correction (``rollout_correction={...}``, verl's ``rollout_correction`` names:
+``rollout_is`` token|sequence, ``rollout_is_threshold``, ``rollout_is_batch_normalize``,
+``rollout_rs``, ``rollout_rs_threshold``): :func:`tokencredit.losses.rollout_correction.rollout_correction`
+of the trainer's old log-probs (TRL's ``old_per_token_logps``, else the policy pass) against the
+sampler's (TRL's ``sampling_per_token_logps``: vLLM's ``processed_logprobs``, i.e. of the
+temperature-scaled, top-p / top-k truncated distribution the token was drawn from, or what a
+``rollout_func`` returns as ``logprobs``). The TIS weight, times 0 where MIS rejects, multiplies
+each token's advantage, which for every TRL loss is the same as multiplying its per-token policy
+loss (each is positively homogeneous in the advantage), as TRL's own IS ratio does: a rejected
+token stays in the loss's normaliser, as in TRL's ``*_mask`` modes (verl and the own trainer
+drop it from the mask). The mismatch (``rollout_corr/log_ratio_mean|max|min``, ``kl``,
+``rollout_rs_masked_fraction`` ...) is logged every generation whenever both log-probs exist,
+with or without a correction. Without vLLM or a ``rollout_func`` TRL records no sampler's
+log-probs, and TRL's own ``vllm_importance_sampling_correction`` would correct a second time:
+both are refused at construction.
 """
 
 from __future__ import annotations
@@ -71,6 +87,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..batch import CreditBatch
+from ..losses.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from ..plan import PlanError, plan_signals
 from ..records import RolloutsRecord
 from ..spec import CreditPipeline, load_credit_state, save_credit_state
@@ -195,6 +212,11 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         retain_memory: on a CPU with glibc, keep freed memory in the process for the next step
             (``tokencredit.cpu_memory``, process-wide, as ``tokencredit train`` does): 19% off
             TRL's step in ``benchmarks/step_vs_trl.py``; numbers are unchanged.
+        rollout_correction: verl's ``rollout_correction`` settings (a dict or a
+            :class:`~tokencredit.losses.rollout_correction.RolloutCorrectionConfig`): TIS / MIS
+            against the sampler's log-probs (the module's doc); needs ``use_vllm=True`` with
+            ``vllm_importance_sampling_correction=False``, or a ``rollout_func``. None: off (the
+            mismatch is still logged when TRL has both log-probs).
 
     After each generation, ``last_credit_batch`` (the :class:`CreditBatch` of the whole generation
     batch, all processes) and ``last_credit_output`` hold what the credit was computed from.
@@ -209,6 +231,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         answer_column: str = "answer",
         oracle_model: Optional[torch.nn.Module] = None,
         retain_memory: bool = True,
+        rollout_correction: Optional[Any] = None,
         **kwargs: Any,
     ):
         import inspect
@@ -255,6 +278,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                     f"sum of the raw rewards), got {cfg.multi_objective_aggregation!r}"
                 )
         beta = cfg.beta if cfg is not None else 0.0
+        self.rollout_correction = _rollout_correction_config(rollout_correction, cfg, bound.get("rollout_func"))
 
         # the passes the spec's methods declare (tokencredit.plan): TRL's KL term reads its own
         # reference pass, so kl stays off; a reference the credit needs is TRL's (beta > 0, given)
@@ -263,6 +287,8 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
             self._plan = plan_signals(self.credit, lora=uses_peft, kl=False, teacher=oracle_model is not None)
         except PlanError as e:
             raise ValueError(_in_trl_terms(str(e), model)) from None
+        if self.rollout_correction.active:  # the trainer's old log-probs, against the sampler's
+            self._plan = self._plan.with_signals({"logprobs"})
         if self._plan.reference and beta == 0.0:
             raise ValueError(
                 f"credit '{self.credit.name}' needs ref_logprobs: set GRPOConfig(beta=...) > 0 (TRL then keeps a "
@@ -347,6 +373,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         B, T = out["completion_ids"].shape
         lo = self.accelerator.process_index * B
         out["advantages"] = res.advantages[lo : lo + B, :T].to(out["completion_ids"].device, torch.float32)
+        self._rollout_correct(out, local, mode)
         from ..diagnostics import credit_diagnostics
 
         for name, value in {**res.metrics, **credit_diagnostics(batch, res)}.items():
@@ -409,6 +436,29 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
                 )
             return
         load_credit_state(path, self.credit)
+
+    def _rollout_correct(self, out: Dict[str, Any], local: Dict[str, torch.Tensor], mode: str) -> None:
+        """The rollout correction of this process's rows (the module's doc): the mismatch metrics
+        whenever the sampler's and the trainer's old log-probs both exist; with a correction on,
+        the TIS weights (0 where MIS rejects) multiply the advantages."""
+        behaviour = out.get("sampling_per_token_logps")
+        old = out.get("old_per_token_logps")
+        if old is None:
+            old = local.get("logprobs")
+        if behaviour is None or old is None:
+            return
+        mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
+        old = old.detach().float()
+        # a token vLLM gave no log-prob for (NaN) gets ratio 1, as in TRL's own correction
+        behaviour = torch.where(torch.isnan(behaviour), old, behaviour.float())
+        weights, keep, metrics = rollout_correction(old, behaviour, mask, self.rollout_correction)
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(float(value))
+        if self.rollout_correction.active:
+            factor = keep.to(out["advantages"].dtype)
+            if weights is not None:
+                factor = factor * weights.to(factor.dtype)
+            out["advantages"] = out["advantages"] * factor
 
     # -- credit ----------------------------------------------------------------------------
     def _gather_rows(self, x: torch.Tensor, pad: float) -> torch.Tensor:
@@ -582,6 +632,39 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
             log.pop()
         m = mask.to(advantages.dtype)
         log.extend(((advantages * m).sum(1) / m.sum(1).clamp_min(1.0)).tolist())
+
+
+def _rollout_correction_config(value, args, rollout_func) -> RolloutCorrectionConfig:
+    """``rollout_correction`` as a config, checked against TRL's settings before any model loads:
+    one line naming the field, the expected and the actual value."""
+    if value is None or isinstance(value, RolloutCorrectionConfig):
+        rc = value if value is not None else RolloutCorrectionConfig()
+    elif isinstance(value, dict):
+        names = [f.name for f in dataclasses.fields(RolloutCorrectionConfig)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"rollout_correction: expected settings among {names}, got unknown {unknown}")
+        try:
+            rc = RolloutCorrectionConfig(**value)
+        except ValueError as e:
+            raise ValueError(str(e).replace("loss.", "rollout_correction.")) from None
+    else:
+        raise ValueError(f"rollout_correction: expected None, a dict of verl's rollout_correction settings or a "
+                         f"RolloutCorrectionConfig, got {type(value).__name__}")
+    if not rc.active:
+        return rc
+    use_vllm = bool(getattr(args, "use_vllm", False))
+    if not use_vllm and rollout_func is None:
+        raise ValueError(
+            "rollout_correction: needs the sampler's log-probs, which TRL records only with vLLM or a rollout_func: "
+            "expected GRPOConfig(use_vllm=True) or a rollout_func returning logprobs, got use_vllm=False and no rollout_func"
+        )
+    if use_vllm and getattr(args, "vllm_importance_sampling_correction", False):
+        raise ValueError(
+            "vllm_importance_sampling_correction: expected False with rollout_correction (TRL's own correction would "
+            "weigh the loss a second time), got True"
+        )
+    return rc
 
 
 def _last_user_index(messages, row: int) -> int:
