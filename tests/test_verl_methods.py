@@ -131,6 +131,18 @@ def test_adaptive_stare_steps_on_driver_and_the_loss_equals_core():
         tcv.tokencredit_ppo_loss(actor_config(calculate_entropy=True), model_output, mb, settings=settings)
 
 
+def test_the_driver_steps_a_controller_with_the_step_rewards():
+    """A controller that reads outcomes (SEPA's correctness gate) gets each row's summed
+    token_level_rewards on the driver, not the zeros that only complete a calibrator's batch."""
+    mask = torch.ones(4, 3)
+    stepped = CreditPipeline("grpo+sepa", sepa={"correct_rate_gate": 0.5})
+    tct.step_credit_state(stepped, mask, {}, rewards=torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    assert stepped.state_dict()["sepa"]["gate_open"] is True
+    unrewarded = CreditPipeline("grpo+sepa", sepa={"correct_rate_gate": 0.5})
+    tct.step_credit_state(unrewarded, mask, {})
+    assert unrewarded.state_dict()["sepa"]["gate_open"] is False
+
+
 def test_credit_state_checkpoint_round_trip(tmp_path):
     a = CreditPipeline("grpo+stare", stare={"adaptive": True})
     batch_mask = torch.ones(2, 3)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from functools import partial
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -305,12 +305,16 @@ def check_trainer_config(config: DictConfig) -> VerlCreditSettings:
 # -- pure driver-side steps (tested on CPU) -------------------------------------------------
 
 
-def step_credit_state(credit: CreditPipeline, response_mask: torch.Tensor, signals: Mapping[str, torch.Tensor]) -> Dict[str, float]:
-    """One controller step of every stateful method of ``credit`` from the step batch (signals of
-    the pre-update old-log-prob pass; the ones the controllers declare, ``state_signals``);
-    returns the controllers' metrics. Rows are not grouped for this (controllers read batch
-    statistics only)."""
-    return credit.update_state(credit_batch(response_mask.bool(), signals, need=credit.state_signals))
+def step_credit_state(credit: CreditPipeline, response_mask: torch.Tensor, signals: Mapping[str, torch.Tensor],
+                      rewards: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    """One controller step of every stateful method of ``credit`` from the step batch: the
+    signals of the pre-update old-log-prob pass the controllers declare (``state_signals``) and
+    each row's outcome ``rewards`` (the summed reward-model scores, before any KL penalty; a
+    controller may read them, as SEPA's correctness gate does). Returns the controllers' metrics. Rows are not
+    grouped for this (controllers read batch statistics only)."""
+    if rewards is not None:
+        rewards = rewards.detach().float()
+    return credit.update_state(credit_batch(response_mask.bool(), signals, need=credit.state_signals, rewards=rewards))
 
 
 def critic_values(plan: SignalPlan, raw_values: torch.Tensor) -> torch.Tensor:
@@ -401,9 +405,10 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
 
         credit, plan = self.tokencredit_credit, self.tokencredit_plan
         need = set(credit.estimator.requires) | set(credit.state_signals)
-        if not need:
+        if not need and not credit.states:
             return self._tc_estimate(batch, metrics)
         fields = ["response_mask"]
+        fields += ["rm_scores"] if credit.states else []  # the outcome (verl's token_level_scores)
         fields += ["entropy"] if "entropy" in need else []
         fields += ["old_log_probs"] if "logprobs" in need else []
         fields += ["values"] if "values" in need else []
@@ -422,7 +427,7 @@ class TokenCreditPPOTrainerSync(PPOTrainerSync):
         if "oracle_logprobs" in need:
             signals["oracle_logprobs"] = self._tc_oracle_pass(batch, mask.shape[1])
         if credit.states:
-            state_metrics = step_credit_state(credit, mask, signals)
+            state_metrics = step_credit_state(credit, mask, signals, rewards=data["rm_scores"].sum(-1))
             metrics.update({f"tokencredit/{k}": v for k, v in state_metrics.items()})
             self._tc_set_actor_loss()  # the loss of this step's update reads the stepped state
         est_signals = {k: v for k, v in signals.items() if k in credit.estimator.requires}
