@@ -28,7 +28,7 @@ def make_batch(
     binary_rewards: bool = True,
     dtype=torch.float32,
     signals=("logprobs", "old_logprobs", "ref_logprobs", "entropy", "mode_prob", "hidden_residual", "oracle_logprobs", "values",
-             "token_ids", "planning_mask", "true_values"),
+             "token_ids", "planning_mask", "true_values", "sum_pi_squared"),
 ) -> CreditBatch:
     """A valid batch whose token signals are mutually consistent (taken from real distributions).
 
@@ -74,6 +74,8 @@ def make_batch(
         kw["token_ids"] = tokens  # the sampled tokens the other signals are of
     if "planning_mask" in signals:
         kw["planning_mask"] = (torch.rand(B, T, generator=gen) < 0.3).long()
+    if "sum_pi_squared" in signals:  # of the same distributions; no draw
+        kw["sum_pi_squared"] = probs.square().sum(-1).to(dtype)
     if "true_values" in signals:  # its own stream: the draws above are as before it was added
         kw["true_values"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 7919), dtype=torch.float64).to(dtype)
     return CreditBatch(response_mask=mask, rewards=rewards, group_ids=group_ids, **kw)

@@ -286,10 +286,16 @@ def test_loss_options_are_one_line_errors():
 # -- the losses in the trainers -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss", [dict(policy_loss="cispo", epsilon_high=4.0),
-                                  dict(policy_loss="ppo", importance_sampling_level="sequence", clip_low=3e-4,
-                                       clip_high=4e-4, agg_mode="seq-mean-token-mean")])
-def test_the_own_trainer_trains_with_gspo_and_cispo(tmp_path, loss):
+@pytest.mark.parametrize("loss, acted", [
+    (dict(policy_loss="cispo", epsilon_high=4.0), None),
+    (dict(policy_loss="ppo", importance_sampling_level="sequence", clip_low=3e-4, clip_high=4e-4,
+          agg_mode="seq-mean-token-mean"), None),
+    (dict(policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.0), "loss/clip_cov/cov_clip_frac"),
+    (dict(policy_loss="kl_cov", kl_cov_ratio=0.2, ppo_kl_coef=1.0), "loss/kl_cov/penalised_frac"),
+])
+def test_the_own_trainer_trains_with_gspo_cispo_and_the_cov_losses(tmp_path, loss, acted):
+    """Composed with a calibrated credit spec (grpo+taco); the loss options reach the loss, the
+    covariance losses act on some tokens (``acted``: the fraction they clipped or penalised)."""
     from test_trainer import _cfg, _metrics, _trainer
     from tokencredit.update import policy_loss_config
 
@@ -305,6 +311,8 @@ def test_the_own_trainer_trains_with_gspo_and_cispo(tmp_path, loss):
     tr.train()
     m = _metrics(tmp_path / "run" / "metrics.jsonl")[-1]
     assert math.isfinite(m["loss"]) and f"loss/{name}/ratio_mean" in m
+    if acted is not None:
+        assert m[acted] > 0
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if p.requires_grad)
 
 

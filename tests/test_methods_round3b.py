@@ -198,33 +198,6 @@ def test_cov_loss_options_are_one_line_errors():
         KLCovLossConfig(kl_cov_ratio=math.nan)
 
 
-# -- the covariance losses in the trainers --------------------------------------------------------
-
-
-@pytest.mark.parametrize("loss", [dict(policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.0),
-                                  dict(policy_loss="kl_cov", kl_cov_ratio=0.2, ppo_kl_coef=1.0)])
-def test_the_own_trainer_trains_with_clip_cov_and_kl_cov(tmp_path, loss):
-    """Composed with a calibrated credit spec (grpo+taco); the loss options reach the loss."""
-    from test_trainer import _cfg, _metrics, _trainer
-    from tokencredit.update import policy_loss_config
-
-    cfg = _cfg(tmp_path, "grpo+taco", steps=1)
-    for k, v in loss.items():
-        setattr(cfg.loss, k, v)
-    tr = _trainer(cfg)
-    name = loss["policy_loss"]
-    assert tr.policy_loss.name == name
-    lc = policy_loss_config(tr.policy_loss, cfg.loss)
-    assert {k: getattr(lc, k) for k in loss if k != "policy_loss"} == {k: v for k, v in loss.items() if k != "policy_loss"}
-    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
-    tr.train()
-    m = _metrics(tmp_path / "run" / "metrics.jsonl")[-1]
-    assert math.isfinite(m["loss"]) and f"loss/{name}/ratio_mean" in m
-    acted = m["loss/clip_cov/cov_clip_frac"] if name == "clip_cov" else m["loss/kl_cov/penalised_frac"]
-    assert acted > 0
-    assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if p.requires_grad)
-
-
 def test_a_cov_option_the_loss_lacks_is_a_one_line_error():
     from tokencredit.config import LossConfig
     from tokencredit.update import policy_loss_config

@@ -24,6 +24,7 @@ def naive(logits, tokens, temperature=1.0):
         "logprobs": lsm.gather(-1, tokens.unsqueeze(-1)).squeeze(-1),
         "entropy": torch.special.entr(p).sum(-1),  # 0 log 0 = 0 for masked vocabulary
         "mode_prob": p.amax(-1),
+        "sum_pi_squared": p.square().sum(-1),
     }
 
 

@@ -22,6 +22,8 @@ hidden_residual    [B, T]     ARCA salience ||h_adapted - h_base||_2 (>= 0)
 oracle_logprobs    [B, T]     log-probs of y_t under the oracle-prompted (or teacher) model
 true_values        [B, T]     the current policy's exact value V(h_t) of the state before token t
                               (enumerated on a task with a response space: exactvalue)
+sum_pi_squared     [B, T]     sum_v pi_v^2 of the next-token distribution (its collision
+                              probability; verl's sum_pi_squared, OTB's variance proxy)
 values             [B, T + 1] critic values; values[:, t] = V(h_t), the state before token t
 token_ids          [B, T]     the sampled token ids y_t (integers >= 0 on valid positions;
                               an integer or a floating-point tensor: KTAE's token statistics)
@@ -56,6 +58,7 @@ TOKEN_SIGNALS = (
     "hidden_residual",
     "oracle_logprobs",
     "true_values",
+    "sum_pi_squared",
 )
 #: every optional signal a method may declare (token_ids: the rollout's own tokens, no model pass)
 SIGNALS = TOKEN_SIGNALS + ("values", "token_ids", "planning_mask")
@@ -85,6 +88,7 @@ class CreditBatch:
     values: Optional[Tensor] = None
     token_ids: Optional[Tensor] = None
     planning_mask: Optional[Tensor] = None
+    sum_pi_squared: Optional[Tensor] = None
     # derived on construction, not passed by callers
     mask: Tensor = field(init=False, repr=False)
 
@@ -159,12 +163,12 @@ class CreditBatch:
                 raise CreditInputError(
                     f"hidden_residual: expected a norm (>= 0), got {self.hidden_residual[idx].item()} at {idx}"
                 )
-        if self.mode_prob is not None:
-            mp = self.mode_prob
-            out = bool_mask & ((mp < 0) | (mp > 1))
-            if out.any():
+        for name in ("mode_prob", "sum_pi_squared"):  # probabilities
+            x = getattr(self, name)
+            out = None if x is None else bool_mask & ((x < 0) | (x > 1))
+            if out is not None and out.any():
                 idx = tuple(int(i) for i in out.nonzero()[0])
-                raise CreditInputError(f"mode_prob: expected a probability in [0, 1], got {mp[idx].item()} at {idx}")
+                raise CreditInputError(f"{name}: expected a probability in [0, 1], got {x[idx].item()} at {idx}")
 
     @staticmethod
     def _check_token_ids(x: object, shape: tuple, bool_mask: Tensor) -> None:

@@ -7,7 +7,8 @@ module turns a :class:`~tokencredit.spec.CreditPipeline` into the minimal set of
 each computed once and shared by every signal it serves:
 
     pass          model                               gives
-    policy        the policy, no grad                 logprobs, entropy, mode_prob, hidden states
+    policy        the policy, no grad                 logprobs, entropy, mode_prob, sum_pi_squared,
+                                                        hidden states
     adapter_off   the policy with its adapter off      ref_logprobs (LoRA reference), hidden (ARCA)
     reference     a separate frozen reference model    ref_logprobs
     oracle        the policy or a teacher, on the      oracle_logprobs
@@ -32,7 +33,7 @@ from .spec import CreditPipeline
 __all__ = ["SignalPlan", "PlanError", "plan_signals"]
 
 #: the signals of the policy's own no-grad pass
-POLICY_SIGNALS = ("logprobs", "entropy", "mode_prob")
+POLICY_SIGNALS = ("logprobs", "entropy", "mode_prob", "sum_pi_squared")
 #: signals no trainer computes yet (a spec reading one is refused before any model loads);
 #: inspect and fidelity derive them from a rollouts file
 #: signals computed from the rollout's tokens alone, without a model pass (passes.run_passes)
@@ -49,7 +50,7 @@ class SignalPlan:
     """The passes one step needs. ``signals`` are the CreditBatch fields to fill."""
 
     signals: FrozenSet[str]
-    policy: Tuple[str, ...]  # signals of the policy pass ("logprobs", "entropy", "mode_prob")
+    policy: Tuple[str, ...]  # signals of the policy pass (POLICY_SIGNALS)
     policy_hidden: bool  # the policy pass keeps its final hidden states (critic, ARCA)
     adapter_off: Tuple[str, ...]  # ("logprobs", "hidden") subset: the adapter-off pass's outputs
     reference: bool  # a separate reference model scores the batch

@@ -6,6 +6,8 @@ For logits ``x [B, T, V]``, sampled tokens ``y [B, T]`` and temperature ``tau``,
     logprobs   l_t = log pi(y_t) = d_{y_t} - log s
     entropy    H_t = -sum_v p_v log p_v = log s - sum_v exp(d_v) d_v / s
     mode_prob  p*_t = max_v p_v = exp(m - lse) = 1 / s
+    sum_pi_squared  S_t = sum_v p_v^2 = sum_v exp(2 d_v) / s^2   (verl's ``sum_pi_squared``,
+               ``exp(logsumexp(2 z) - 2 logsumexp(z))``; OTB's per-token variance proxy)
 
 Every quantity is read off one shifted row ``d`` and its exponent, so a chunk of rows costs two
 chunk-sized temporaries and the full ``[B*T, V]`` ``log_softmax``/``softmax`` copies of the naive
@@ -21,6 +23,7 @@ chunk in backward::
     dl/dz   = onehot(y) - p
     dH/dz   = -p (log p + H)
     dp*/dz  = p* (onehot(argmax) - p)
+    dS/dz   = 2 p (p - S)
     dx      = dz / tau
 
 Half-precision logits are upcast to float32 one chunk at a time; outputs are float32 for
@@ -42,7 +45,7 @@ from .batch import CreditInputError
 __all__ = ["SIGNAL_NAMES", "token_signals", "hidden_residual", "default_chunk_rows"]
 
 #: the signals :func:`token_signals` can compute
-SIGNAL_NAMES = ("logprobs", "entropy", "mode_prob")
+SIGNAL_NAMES = ("logprobs", "entropy", "mode_prob", "sum_pi_squared")
 
 # A chunk's temporaries (two chunk-sized buffers in the compute dtype) are kept to ~1/16 of the
 # logits' own memory. The floor keeps tiny inputs in one or a few chunks (the per-chunk Python
@@ -158,8 +161,9 @@ def _shifted(x: Tensor, cdt: torch.dtype, inv_tau: float, with_argmax: bool):
     return d, m, arg
 
 
-def _forward_chunk(x: Tensor, y: Tensor, cdt: torch.dtype, inv_tau: float, want_h: bool, with_argmax: bool):
-    """Row statistics of one chunk: (log s, d_y, H or None, argmax or None)."""
+def _forward_chunk(x: Tensor, y: Tensor, cdt: torch.dtype, inv_tau: float, want_h: bool, with_argmax: bool,
+                   want_sq: bool = False):
+    """Row statistics of one chunk: (log s, d_y, H or None, argmax or None, sum_v exp(2 d_v) or None)."""
     d, _, arg = _shifted(x, cdt, inv_tau, with_argmax)
     d_y = d.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     # -inf logits: a finite floor makes exp() exactly 0 and 0 * d exactly 0 (not NaN)
@@ -167,10 +171,12 @@ def _forward_chunk(x: Tensor, y: Tensor, cdt: torch.dtype, inv_tau: float, want_
     e = d.exp()
     s = e.sum(-1)
     log_s = s.log()
+    # sum_v e_v^2 as a row-wise dot product (no chunk-sized temporary), before e is overwritten
+    sq = (e.unsqueeze(-2) @ e.unsqueeze(-1)).reshape(-1) if want_sq else None
     H = None
     if want_h:
         H = (log_s - e.mul_(d).sum(-1) / s).clamp_(min=0.0)
-    return log_s, d_y, H, (None if arg is None else arg.squeeze(-1))
+    return log_s, d_y, H, (None if arg is None else arg.squeeze(-1)), sq
 
 
 def _compute(logits: Tensor, tokens: Tensor, inv_tau: float, rows: int, want: Tuple[str, ...], save_argmax: bool):
@@ -184,22 +190,28 @@ def _compute(logits: Tensor, tokens: Tensor, inv_tau: float, rows: int, want: Tu
     want_h = "entropy" in want
     H = torch.empty(N, dtype=cdt, device=dev) if want_h else None
     arg = torch.empty(N, dtype=torch.long, device=dev) if save_argmax else None
+    want_sq = "sum_pi_squared" in want
+    sq = torch.empty(N, dtype=cdt, device=dev) if want_sq else None
     for r0, r1, x, y in _row_chunks(logits, tokens, rows):
-        ls, dy, h, a = _forward_chunk(x, y, cdt, inv_tau, want_h, save_argmax)
+        ls, dy, h, a, q = _forward_chunk(x, y, cdt, inv_tau, want_h, save_argmax, want_sq)
         log_s[r0:r1] = ls
         d_y[r0:r1] = dy
         if want_h:
             H[r0:r1] = h
         if save_argmax:
             arg[r0:r1] = a
+        if want_sq:
+            sq[r0:r1] = q
     out = {}
     for name in want:
         if name == "logprobs":
             out[name] = d_y - log_s
         elif name == "entropy":
             out[name] = H
-        else:
+        elif name == "mode_prob":
             out[name] = torch.exp(-log_s)  # 1 / s
+        else:
+            out[name] = sq * torch.exp(-2.0 * log_s)  # sum e^2 / s^2
     return out, log_s, H, arg
 
 
@@ -213,17 +225,17 @@ class _FusedSignals(torch.autograd.Function):
         ctx.inv_tau, ctx.rows, ctx.want = inv_tau, rows, want
         ctx.shape = logits.shape
         # the max is recomputed in backward (cheap next to exp) rather than saved
-        ctx.save_for_backward(logits, tokens, log_s, H, arg)
+        ctx.save_for_backward(logits, tokens, log_s, H, arg, out.get("sum_pi_squared"))
         ctx.set_materialize_grads(False)
         return tuple(out[w] for w in want)
 
     @staticmethod
     def backward(ctx, *grads):
-        logits, tokens, log_s, H, arg = ctx.saved_tensors
+        logits, tokens, log_s, H, arg, S = ctx.saved_tensors
         want = ctx.want
         g = dict(zip(want, grads))
-        g_l, g_h, g_m = g.get("logprobs"), g.get("entropy"), g.get("mode_prob")
-        if g_l is None and g_h is None and g_m is None:
+        g_l, g_h, g_m, g_q = g.get("logprobs"), g.get("entropy"), g.get("mode_prob"), g.get("sum_pi_squared")
+        if g_l is None and g_h is None and g_m is None and g_q is None:
             return None, None, None, None, None
         cdt = _compute_dtype(logits.dtype)
         B, T, V = ctx.shape
@@ -236,8 +248,13 @@ class _FusedSignals(torch.autograd.Function):
             d.clamp_(min=_floor(cdt))
             logp = d.sub_(log_s[r0:r1].unsqueeze(-1))  # log p, in place of d
             p = logp.exp()
-            # coef_r multiplies -p_v: g_l + g_h (log p_v + H) + g_m p*
+            # coef_r multiplies -p_v: g_l + g_h (log p_v + H) + g_m p* + 2 g_q S
             coef = torch.zeros(r1 - r0, 1, dtype=cdt, device=logits.device)
+            sq_term = None
+            if g_q is not None:
+                gq = g_q[r0:r1].unsqueeze(-1)
+                coef += 2.0 * gq * S[r0:r1].unsqueeze(-1)
+                sq_term = p.square().mul_(2.0 * gq)  # + 2 g_q p_v^2, taken before p is overwritten
             if g_l is not None:
                 coef += g_l[r0:r1].unsqueeze(-1)
             if g_m is not None:
@@ -253,6 +270,8 @@ class _FusedSignals(torch.autograd.Function):
                 gz.scatter_add_(-1, y.unsqueeze(-1), g_l[r0:r1].unsqueeze(-1))
             if g_m is not None:
                 gz.scatter_add_(-1, arg[r0:r1].unsqueeze(-1), (g_m[r0:r1] * pstar).unsqueeze(-1))
+            if sq_term is not None:
+                gz.add_(sq_term)
             if inv_tau != 1.0:
                 gz.mul_(inv_tau)
             grad_flat[r0:r1] = gz
@@ -275,7 +294,7 @@ def token_signals(
         temperature: ``tau > 0``; the distribution is ``softmax(logits / tau)``.
         chunk_size: rows (of the flattened ``B*T``) per chunk; None picks one so that a chunk's
             temporaries stay near 1/16 of the logits' memory (see :func:`default_chunk_rows`).
-        want: any of ``"logprobs"``, ``"entropy"``, ``"mode_prob"``.
+        want: any of ``"logprobs"``, ``"entropy"``, ``"mode_prob"``, ``"sum_pi_squared"``.
 
     Returns:
         ``{name: [B, T]}`` for each wanted signal. With grad enabled and ``logits.requires_grad``
