@@ -10,7 +10,7 @@
 2. One more batch (``--prompts`` x ``--samples`` responses) from the policy as the run left
    it: the trainer's own step with the learning rate set to 0 (the weights are checked to be
    unchanged), so the batch carries every signal and the credit state exactly as a run saves
-   them (``_save_rollouts``).
+   them (``Trainer.save_rollouts``).
 3. Monte Carlo ``V(h_t)`` at every ``--stride``-th position, ``-M`` continuations each, from
    that same policy (``tokencredit.fidelity.build_estimates``), with the shared-prefix KV
    cache; the first ``--baseline-batches`` batches are also run with plain ``generate`` for

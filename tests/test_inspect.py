@@ -30,7 +30,7 @@ def crc_reward(completion: str, example) -> float:
 
 
 def synthetic_rollouts(seed: int = 0):
-    """A rollouts dict in the format of Trainer._save_rollouts, with most signals, NaN padding
+    """A rollouts dict in the format of Trainer.save_rollouts, with most signals, NaN padding
     (methods never read it, the page must not either) and tricky token texts."""
     g = torch.Generator().manual_seed(seed)
     B, T = 4, 9

@@ -41,11 +41,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .errors import CreditInputError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = ["CreditBatch", "CreditInputError", "TOKEN_SIGNALS", "SIGNALS"]
-
-
-class CreditInputError(ValueError):
-    """Bad input to a credit method: the message names the field, the expected and the actual."""
 
 
 #: optional per-token signals of shape [B, T]

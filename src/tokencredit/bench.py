@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .errors import BenchError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = [
     "SUITE", "DEFAULT_SPECS", "QUICK_SPECS", "TaskSettings", "SETTINGS", "BenchError", "BenchTrainer",
     "parse_tasks", "bench_config", "run_bench", "summarize_task", "bootstrap", "write_bench_report",
@@ -50,10 +52,6 @@ QUICK_SEEDS = (0, 1)
 #: bootstrap resamples and the interval's coverage
 N_BOOT = 2000
 COVERAGE = 0.95
-
-
-class BenchError(ValueError):
-    """A bad bench input (one line: the field, what was expected, what was given)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,10 +32,13 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
+
+from .errors import CheckpointError, CheckpointWarning, ConfigError, DiskFullError, is_disk_full
+from .processes import process_tag, stale_temporaries
 
 __all__ = [
     "CheckpointError",
@@ -45,8 +48,10 @@ __all__ = [
     "copy_weights",
     "file_sha256",
     "latest_checkpoint",
+    "list_checkpoints",
     "load_checkpoint",
     "load_latest_checkpoint",
+    "load_weights",
     "rng_state",
     "save_checkpoint",
     "save_torch",
@@ -59,19 +64,6 @@ _TMP_PREFIX = ".tmp_step_"
 CHECKSUM_NAME = "state.pt.sha256"
 #: the parts of a checkpoint that hold weights: checked finite at save and at load
 _WEIGHTS = ("model", "critic")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file. ``unsafe`` is True when the
-    file was refused because loading it would need more than tensors and plain values."""
-
-    def __init__(self, message: str, *, unsafe: bool = False):
-        super().__init__(message)
-        self.unsafe = unsafe
-
-
-class CheckpointWarning(UserWarning):
-    """A damaged checkpoint was skipped (the message names it and the one used instead)."""
 
 
 # -- RNG states as tensors and plain values ------------------------------------------------
@@ -103,7 +95,9 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 # -- files ------------------------------------------------------------------------------------
 
 
-def _checkpoints(root: Path):
+def list_checkpoints(root: str | os.PathLike) -> List[Path]:
+    """The checkpoint folders ``step_XXXXXXXX`` under ``root``, oldest step first (none: ``[]``)."""
+    root = Path(root)
     if not root.exists():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _PATTERN.match(p.name))]
@@ -111,15 +105,14 @@ def _checkpoints(root: Path):
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    cps = _checkpoints(Path(root))
+    """The newest checkpoint folder under ``root`` (not loaded, not checked), or None."""
+    cps = list_checkpoints(root)
     return cps[-1] if cps else None
 
 
 def check_output_dir(path: str | os.PathLike, field: str = "output_dir") -> None:
     """Raise ``ConfigError`` unless ``path`` is (or can be created as) a writable directory.
     Creates nothing: the nearest existing ancestor must be a writable directory."""
-    from .config import ConfigError
-
     p = Path(path)
     probe = p
     while not probe.exists():
@@ -249,6 +242,19 @@ def copy_weights(model: torch.nn.Module, weights: Any, where: str) -> None:
             params[n].copy_(v)
 
 
+def load_weights(state: Mapping[str, Any], model: torch.nn.Module, critic: Optional[torch.nn.Module] = None,
+                 where: str = "checkpoint") -> None:
+    """A checkpoint's weights into ``model`` (its trainable parameters, :func:`copy_weights`) and,
+    given ``critic``, the value head's; every weight is checked (:func:`check_weights`, one line
+    naming ``where`` and the first weight that is not the model's) before any is copied, so a
+    refused checkpoint leaves both as they were."""
+    if critic is not None:
+        check_weights(state.get("critic"), critic.state_dict(), where, part="critic")
+    copy_weights(model, state.get("model"), where)
+    if critic is not None:
+        critic.load_state_dict(state["critic"])
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], keep_last: int = 2) -> Path:
     """Write ``state`` as ``root/step_XXXXXXXX/state.pt`` (and its ``state.pt.sha256``)
     atomically and prune old ones.
@@ -256,10 +262,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], k
     Weights holding a NaN or inf are never written (:class:`~tokencredit.update.NonFiniteError`,
     one line naming the tensor; the last good checkpoint stays the newest). Temporary folders
     left by a save that was killed (``.tmp_step_*``) are removed first. A save that fails (a
-    full disk: :class:`~tokencredit.runfolder.DiskFullError`, one line) removes its temporary
+    full disk: :class:`~tokencredit.errors.DiskFullError`, one line) removes its temporary
     folder and leaves every earlier checkpoint as it was."""
-    from .runfolder import DiskFullError, is_disk_full, process_tag, stale_temporaries
-
     root = Path(root)
     bad = _non_finite(state)
     if bad is not None:
@@ -271,7 +275,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], k
             + (f"the last good checkpoint ({last}) is left as it was" if last else "there is no earlier checkpoint")
         )
     root.mkdir(parents=True, exist_ok=True)
-    for leftover in stale_temporaries(root, _TMP_PREFIX):  # never a live process's (runfolder)
+    for leftover in stale_temporaries(root, _TMP_PREFIX):  # never a live process's (processes)
         shutil.rmtree(leftover, ignore_errors=True)
     final = root / f"step_{step:08d}"
     tmp = root / f"{_TMP_PREFIX}{step:08d}_{process_tag()}"
@@ -290,7 +294,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: Dict[str, Any], k
     if final.exists():  # same step saved twice (e.g. Ctrl-C right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    for old in _checkpoints(root)[:-keep_last]:
+    for old in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -363,7 +367,7 @@ def load_latest_checkpoint(
     naming it, and the next newest is tried. A refused (unsafe) file is an error, not skipped.
     Raises :class:`CheckpointError` when there is no usable one (naming why the newest is not)."""
     root = Path(root)
-    cps = _checkpoints(root)
+    cps = list_checkpoints(root)
     if not cps:
         raise CheckpointError(f"checkpoint: expected a step_XXXXXXXX checkpoint under {str(root)!r}, found none")
     skipped, newest_why = [], None

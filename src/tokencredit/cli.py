@@ -121,8 +121,8 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
     import json
     from pathlib import Path
 
-    from .checkpoint import load_latest_checkpoint
-    from .config import ConfigError, TrainConfig, _from_dict, load_config
+    from .config import ConfigError, load_config
+    from .runfolder import RunFolder
     from .trainer import Trainer
 
     if not args.run:
@@ -136,18 +136,14 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
         return 0
     if rest or args.config:
         raise ConfigError(f"eval --run: expected no other options than --output-dir, got {rest + (['--config'] if args.config else [])}")
-    run = Path(args.run).resolve()
-    cfg_file = run / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"--run: expected a tokencredit run directory (with config.json), got {args.run!r}")
-    try:
-        saved = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--run: {cfg_file} is not valid JSON ({e})") from None
+    folder = RunFolder(args.run, arg="--run")
+    run = folder.path.resolve()
+    saved = folder.config()
     out = Path(args.output_dir) if args.output_dir else run.parent / f"{run.name}-eval"
     if out.resolve() == run or run in out.resolve().parents:
         raise ConfigError(f"--output-dir: expected a folder outside the run {str(run)!r}, got {str(out)!r}")
-    cfg = dataclasses.replace(_from_dict(TrainConfig, saved, "config.json"), output_dir=str(out), resume=False)
+    cfg = dataclasses.replace(saved, output_dir=str(out), resume=False)
+    cfg_file = folder.config_file.resolve()
     from .rewards import user_code
 
     code = user_code(cfg)  # a folder someone sent runs nothing of theirs unasked
@@ -156,7 +152,7 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
                           f"read it, then add --trust-remote-code to run it")
     if code:
         print(f"eval: running the reward code {cfg_file} names (--trust-remote-code): {'; '.join(code)}", file=sys.stderr)
-    ck, state = load_latest_checkpoint(run / "checkpoints")
+    ck, state = folder.load_latest()
     trainer = Trainer(cfg)
     trainer.load_state_dict(state)
     print(f"evaluating {ck}", file=sys.stderr)

@@ -472,13 +472,13 @@ def _filter_credit_args(credit_args: Iterable[str], spec: str) -> Tuple[str, ...
 
 
 def _check_credit_args(credit_args: Sequence[str], specs: Sequence[str], credit_config=None) -> None:
-    from .config import _set_methods, parse_credit_args
+    from .config import configured_methods, parse_credit_args
 
     used = {name for s in specs for name in _parsed(s).methods}
     unknown = sorted(set(parse_credit_args(credit_args)) - used)
     if unknown:
         raise ValueError(f"credit_args: overrides for {unknown}, which no spec of {list(specs)} uses")
-    unknown = sorted(set(_set_methods(credit_config)) - used) if credit_config is not None else []
+    unknown = sorted(set(configured_methods(credit_config)) - used) if credit_config is not None else []
     if unknown:
         raise ValueError(f"credit_config: settings for {unknown}, which no spec of {list(specs)} uses")
 
@@ -508,13 +508,10 @@ def check_run_config(run_dir: Path, cfg) -> None:
     other than the budget and bookkeeping, ``config.SAFE_TO_CHANGE``, differ), so that a report
     never mixes the two. The same comparison refuses a ``--resume`` with changed settings."""
     from .config import config_diff, config_to_dict
+    from .runfolder import RunFolder
 
-    cfg_file = Path(run_dir) / "config.json"
-    if not cfg_file.exists():
-        return
-    try:
-        saved = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError:
+    saved = RunFolder(run_dir).saved_config()
+    if saved is None:  # none, or not JSON
         return
     diffs = config_diff(saved, json.loads(json.dumps(config_to_dict(cfg))))
     if diffs:
@@ -528,12 +525,10 @@ def _prepare_resume(run_dir: Path, cfg) -> Optional[int]:
     """The checkpoint step an existing, unfinished run resumes from, or None when it has no
     checkpoint (it starts again; the trainer moves the old files aside). On resume the
     trainer drops the metrics rows past the checkpoint, so no step is logged twice."""
-    from .checkpoint import latest_checkpoint
+    from .runfolder import RunFolder
 
-    ck = latest_checkpoint(run_dir / "checkpoints")
-    if ck is None:
-        return None
-    return int(ck.name.rsplit("_", 1)[1])  # checkpoint directories are step_XXXXXXXX
+    steps = RunFolder(run_dir).steps()
+    return steps[-1] if steps else None
 
 
 def run_one(cfg, trainer_factory: Optional[Callable] = None, log: Callable[[str], None] = print) -> str:

@@ -69,6 +69,9 @@ __all__ = [
     "ConfigError",
     "SAFE_TO_CHANGE",
     "config_diff",
+    "config_from_dict",
+    "config_to_dict",
+    "configured_methods",
     "credit_config_for",
 ]
 
@@ -131,8 +134,9 @@ def _spec_of(credit: str) -> str:
     return RECIPES[credit]["credit"] if credit in RECIPES else credit
 
 
-def _set_methods(section: Any) -> List[str]:
-    """The methods of a ``credit_config`` section whose settings differ from their defaults."""
+def configured_methods(section: Any) -> List[str]:
+    """The methods of a ``credit_config`` section (:class:`MethodConfigs`) whose settings differ
+    from their defaults: the methods a user configured."""
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != f.default_factory()]
 
 
@@ -242,7 +246,7 @@ class TrainConfig:
         except (KeyError, ValueError) as e:
             raise ConfigError(f"credit: {_one_line(e)}") from None
         section = self.credit_config
-        for name in _set_methods(section):
+        for name in configured_methods(section):
             if name not in names:
                 raise ConfigError(
                     f"credit_config.{name}: set, but {name} is not in the credit spec {spec!r} (its methods: {', '.join(names)})"
@@ -379,6 +383,13 @@ def _from_dict(cls, data: Dict[str, Any], where: str):
             object.__setattr__(obj, k, v)
         return _check_method_config(obj, where.split(".")[1], where)
     return cls(**kw)
+
+
+def config_from_dict(data: Any, where: str = "config.json") -> TrainConfig:
+    """The :class:`TrainConfig` that plain values hold (a run's ``config.json``, the inverse of
+    :func:`config_to_dict`), each section and method setting checked for its type and range: a
+    value that is not is a :class:`ConfigError` naming ``where`` and the field."""
+    return _from_dict(TrainConfig, data, where)
 
 
 def apply_recipe(cfg: TrainConfig) -> TrainConfig:

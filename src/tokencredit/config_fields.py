@@ -22,12 +22,9 @@ from typing import Any, Dict, Literal, Optional, Tuple
 
 import yaml
 
+from .errors import ConfigError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = ["ConfigError", "FIELD_RANGES", "YAML_MAX_DEPTH", "YAML_MAX_VALUES", "check_section", "load_yaml_bounded"]
-
-
-class ConfigError(ValueError):
-    """A configuration value of the wrong type or out of range (or a run directory that cannot
-    take the run). The message is one line: ``"field: expected X, got Y"``."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
+from .errors import DatasetError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = [
     "DATA_EVAL_FRACTION",
     "DATA_FIELDS",
@@ -54,10 +56,6 @@ EVAL_SEED = 1234
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(?::[\w.-]+)?$")
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _ANSWER_GUESSES = ("answer", "solution", "ground_truth", "reward_model.ground_truth")
-
-
-class DatasetError(ValueError):
-    """Data that cannot be used; the message is one line naming the field and the file."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .errors import ExactValueError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = [
     "ResponseSpace",
     "ExactValueError",
@@ -44,10 +46,6 @@ __all__ = [
 MAX_SEQUENCES = 4096
 #: the most probability the policy may put outside the alphabet for V to count as exact
 DEFAULT_TOL = 1e-6
-
-
-class ExactValueError(ValueError):
-    """The exact values cannot be computed (one line: what, expected, got)."""
 
 
 @dataclass(frozen=True)

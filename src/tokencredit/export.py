@@ -46,23 +46,21 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
+from .errors import ExportError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = ["ExportError", "check_model_folder", "export_run", "record_base_model", "write_model_folder"]
 
 #: what every model folder tokencredit writes records: the run, the step, the sha256 of each file
 MANIFEST = "tokencredit_export.json"
 
 
-class ExportError(ValueError):
-    """A run folder or checkpoint that cannot be exported; the message names it."""
-
-
 def _base_as_given(name: str, cache_dir: Optional[str]) -> str:
     """The base model as an adapter should record it: a hub id as it is, a local folder as its
     absolute path (a relative one would break when the adapter is loaded elsewhere)."""
-    from .models import _EMBEDDED_NAME, EMBEDDED, cache_root
+    from .models import EMBEDDED, EMBEDDED_NAME, cache_root
 
     if name == EMBEDDED:
-        return str((cache_root(cache_dir) / _EMBEDDED_NAME).resolve())
+        return str((cache_root(cache_dir) / EMBEDDED_NAME).resolve())
     return str(Path(name).resolve()) if os.path.isdir(name) else name
 
 
@@ -121,7 +119,7 @@ def check_model_folder(folder: str | os.PathLike, step: Optional[int] = None) ->
 def _remove_dead_temporaries(out: Path) -> None:
     """The temporary folders of writes to ``out`` whose process is gone (a killed export);
     never a live one's, nor this process's own (an export running beside this one)."""
-    from .runfolder import process_tag, stale_temporaries
+    from .processes import process_tag, stale_temporaries
 
     own = f"_{process_tag()}"
     for p in stale_temporaries(out.parent, f".{out.name}.tmp-"):
@@ -131,7 +129,7 @@ def _remove_dead_temporaries(out: Path) -> None:
 
 def _temporary(out: Path, kind: str = "") -> Path:
     """A new empty folder next to ``out``, named for its writer (``.NAME.tmp-*_<pid>-<start>``)."""
-    from .runfolder import process_tag
+    from .processes import process_tag
 
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{kind}", suffix=f"_{process_tag()}", dir=out.parent))
 
@@ -139,7 +137,7 @@ def _temporary(out: Path, kind: str = "") -> Path:
 def _disk_full(e: BaseException) -> bool:
     """A write that failed for want of space: an OSError (ENOSPC / EDQUOT), or safetensors' own
     error, which carries the OS error only in its message ("No space left on device (os error 28)")."""
-    from .runfolder import is_disk_full
+    from .errors import is_disk_full
 
     return is_disk_full(e) or "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
 
@@ -187,7 +185,7 @@ def write_model_folder(out: str | os.PathLike, model, tokenizer, *, what: str, r
     else ``out`` must be new or empty). A failure (a full disk: one line naming ``what`` and
     ``out``, then ``on_disk_full``; a Ctrl-C) removes the temporary folder."""
     from .checkpoint import file_sha256, save_torch
-    from .runfolder import DiskFullError
+    from .errors import DiskFullError
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -230,30 +228,6 @@ def write_model_folder(out: str | os.PathLike, model, tokenizer, *, what: str, r
 # -- tokencredit export RUN --to DIR ------------------------------------------------------------
 
 
-def _checkpoint(run: Path, step: Optional[int]):
-    """The checkpoint to export (``step``, or the newest) and its state, loaded and checked (its
-    sha256 and finite weights); a damaged one is refused, naming an earlier step to choose."""
-    from .checkpoint import CheckpointError, _checkpoints, load_checkpoint
-
-    root = run / "checkpoints"
-    have = [int(p.name[5:]) for p in _checkpoints(root)]
-    if step is None:
-        if not have:
-            raise ExportError(f"RUN: expected a checkpoint under {str(root)!r}, found none (the run stopped before its first)")
-        step = have[-1]
-    elif step not in have:
-        raise ExportError(f"--checkpoint: expected one of the run's checkpoint steps {have}, got {step}")
-    ck = root / f"step_{step:08d}"
-    try:
-        return ck, load_checkpoint(ck)
-    except CheckpointError as e:
-        if e.unsafe:
-            raise
-        earlier = [s for s in have if s < step]
-        hint = f"; export an earlier one with --checkpoint {earlier[-1]}" if earlier else ""
-        raise CheckpointError(f"{e}{hint}") from None
-
-
 def _check_to(out: Path, run: Path, to: str) -> None:
     from .checkpoint import check_output_dir
 
@@ -266,28 +240,28 @@ def _check_to(out: Path, run: Path, to: str) -> None:
 
 def export_run(run: str, to: str, *, merge_lora: bool = False, checkpoint: Optional[int] = None) -> Path:
     """Write RUN's model (a checkpoint's weights in its base model) to ``to``; returns the folder."""
-    from .checkpoint import copy_weights
-    from .config import TrainConfig, _from_dict
-    from .models import add_lora, resolve_model
+    from .checkpoint import CheckpointError
+    from .runfolder import RunFolder
 
-    run_p = Path(run)
-    cfg_file = run_p / "config.json"
-    if not cfg_file.is_file():
-        raise ExportError(f"RUN: expected a tokencredit run folder (with config.json), got {run!r}")
+    folder = RunFolder(run, arg="RUN", error=ExportError)
+    run_p = folder.path
+    cfg = folder.config()
     out = Path(to)
     _check_to(out, run_p, to)
-    try:
-        cfg = _from_dict(TrainConfig, json.loads(cfg_file.read_text()), "config.json")
-    except json.JSONDecodeError as e:
-        raise ExportError(f"RUN: {cfg_file} is not valid JSON ({e})") from None
     if merge_lora and not cfg.model.lora:
         raise ExportError(f"--merge-lora: the run {run!r} trained the full model (model.lora false); there is no adapter to merge")
-    ck, state = _checkpoint(run_p, checkpoint)  # before any model loads
-    model, tok = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
-    if cfg.model.lora:
-        model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
+    try:  # (None: the newest) loaded and checked, its sha256 and finite weights, before any model loads
+        ck, state = folder.load_checkpoint(checkpoint)
+    except CheckpointError as e:  # a damaged one: name an earlier step to export
+        if e.unsafe:
+            raise
+        step = checkpoint if checkpoint is not None else folder.steps()[-1]
+        earlier = [s for s in folder.steps() if s < step]
+        hint = f"; export an earlier one with --checkpoint {earlier[-1]}" if earlier else ""
+        raise CheckpointError(f"{e}{hint}") from None
     # every trainable weight of the model, of its shape and dtype (else one line naming it)
-    copy_weights(model, state.get("model"), f"checkpoint {str(ck / 'state.pt')!r}")
+    loaded = folder.load_model(ck, state=state)
+    model, tok = loaded.model, loaded.tokenizer
     if cfg.model.lora and merge_lora:
         model = model.merge_and_unload()
     step = int(state["step"])

@@ -22,6 +22,8 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .errors import RewardValueError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = [
     "BUILTINS",
     "RewardValueError",
@@ -229,10 +231,6 @@ def reference_answer(row: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-class RewardValueError(ValueError):
-    """A reward function returned something that is not a reward (see :func:`check_reward`)."""
-
-
 def check_reward(value: Any, reward_range: Optional[Tuple[float, float]] = None) -> float:
     """``value`` as a float if it is a finite real number (a bool, a numpy scalar or a one-element
     tensor counts; a string such as ``"1.0"`` does not) within ``reward_range`` (inclusive), else
@@ -249,8 +247,6 @@ def check_reward(value: Any, reward_range: Optional[Tuple[float, float]] = None)
     if reward_range is not None and not reward_range[0] <= r <= reward_range[1]:
         raise RewardValueError(f"reward: expected a number in [{reward_range[0]}, {reward_range[1]}], got {r}")
     return r
-
-
 
 
 def gold_answer(value: Any) -> Optional[str]:

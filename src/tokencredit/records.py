@@ -231,10 +231,10 @@ def _shape(x: Any) -> Optional[tuple]:
 def check_rollouts(saved: Any, where: str = "rollouts") -> None:
     """The keys and shapes of a rollouts dict; a one-line ``ValueError`` naming the field."""
     if not isinstance(saved, dict):
-        raise ValueError(f"{where}: expected a dict as written by the trainer's _save_rollouts, got {type(saved).__name__}")
+        raise ValueError(f"{where}: expected a dict as written by the trainer's save_rollouts, got {type(saved).__name__}")
     missing = [k for k in _REQUIRED_KEYS if k not in saved]
     if missing:
-        raise ValueError(f"{where}: missing key(s) {missing}; expected a file written by the trainer's _save_rollouts")
+        raise ValueError(f"{where}: missing key(s) {missing}; expected a file written by the trainer's save_rollouts")
     sig = saved["signals"]
     if not isinstance(sig, dict):
         raise ValueError(f"{where}: signals: expected a dict of tensors, got {type(sig).__name__}")

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional
 from torch import Tensor
 
 from .batch import SIGNALS
+from .errors import UnknownMethodError  # noqa: F401 (defined in errors; importable here too)
 
 __all__ = [
     "CreditOutput",
@@ -281,14 +282,6 @@ def register_calibrator(
 def _ensure_loaded() -> None:
     # importing the methods package registers every built-in method
     from . import methods  # noqa: F401
-
-
-class UnknownMethodError(KeyError, ValueError):
-    """An unknown credit method name: a ``ValueError`` like every other bad spec (and a
-    ``KeyError``, as a failed lookup); ``str()`` is the one-line message, unquoted."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 def get_method(name: str) -> MethodInfo:

@@ -60,6 +60,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from .errors import RewardFailure, RewardFnError  # noqa: F401 (defined in errors; importable here too)
 from .grading import (
     _TRL_EXTRA_KWARGS,  # noqa: F401 (the keyword arguments the caller adds)
     BUILTINS,
@@ -99,15 +100,6 @@ __all__ = [
 
 #: seconds a worker may take to import a reward function's module (not counted against a call)
 LOAD_TIMEOUT_S = 300.0
-
-
-class RewardFnError(ValueError):
-    """A reward function that cannot be used (import path, attribute, signature); the message
-    names the function and the cause."""
-
-
-class RewardFailure(RewardFnError):
-    """A reward function failed on every completion of several consecutive steps."""
 
 
 # ---------------------------------------------------------------------------------------------

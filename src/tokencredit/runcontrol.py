@@ -24,9 +24,10 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from .checkpoint import check_weights, latest_checkpoint, load_latest_checkpoint, trainable_weights
+from .checkpoint import check_weights, trainable_weights
 from .config import SAFE_TO_CHANGE, ConfigError, config_diff
-from .runfolder import DiskFullError, RunFolderError, _aside_name, check_data_unchanged, claim_run_folder, holds_run
+from .runfolder import (DiskFullError, RunFolder, RunFolderError, aside_name, check_data_unchanged, claim_run_folder,
+                        holds_run)
 
 __all__ = ["StopSignals", "check_resume_config", "holding_run_folder", "resume_state"]
 
@@ -40,7 +41,7 @@ def holding_run_folder(folder: Path, *, resume: bool, overwrite: bool, step: Cal
     try:
         yield
     except DiskFullError as e:
-        last = latest_checkpoint(folder / "checkpoints")
+        last = RunFolder(folder).latest()
         e.message += (f"; the run stopped at step {step()}; "
                       + (f"the last checkpoint ({last}) is intact: free space and continue with --resume" if last
                          else "no checkpoint yet: free space and start again with --overwrite"))
@@ -57,22 +58,16 @@ def check_resume_config(folder: Path, config: Dict[str, Any], saved: Any, where:
     ``saved`` is the run's config (a dict, or the path of its ``config.json``; a missing file
     is no objection: the checkpoint's own copy is checked when it is loaded). Only the fields
     in :data:`~tokencredit.config.SAFE_TO_CHANGE` may differ."""
-    if latest_checkpoint(Path(folder) / "checkpoints") is None:
+    if RunFolder(folder).latest() is None:
         found = holds_run(folder)
         raise RunFolderError(
             f"resume: the run in {str(folder)!r} has no checkpoint to continue from "
             + ("(it stopped before its first one); start again with --overwrite (the old run is moved to "
-               f"{str(_aside_name(Path(folder)))!r}, nothing is deleted), or choose another --output-dir" if found
+               f"{str(aside_name(folder))!r}, nothing is deleted), or choose another --output-dir" if found
                else "(it holds no run); train without --resume")
         )
-    if isinstance(saved, Path):
-        if not saved.is_file():
-            return
-        where = saved
-        try:
-            saved = json.loads(saved.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-            return  # unreadable: the checkpoint's copy decides
+    if isinstance(saved, Path):  # (missing or unreadable: the checkpoint's copy decides)
+        where, saved = saved, RunFolder(saved.parent).saved_config()
     if not isinstance(saved, dict):
         return
     diffs = config_diff(saved, json.loads(json.dumps(config)))
@@ -100,7 +95,7 @@ def resume_state(folder: Path, config: Dict[str, Any], model: Optional[torch.nn.
         if critic is not None:
             check_weights(sd.get("critic"), critic.state_dict(), where, part="critic")
 
-    ck, sd = load_latest_checkpoint(folder / "checkpoints", verify=verify)
+    ck, sd = RunFolder(folder).load_latest(verify=verify)
     check_resume_config(folder, config, sd.get("config"), where=ck / "state.pt")
     return ck, sd
 

@@ -25,25 +25,28 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from .config import ConfigError
+from .errors import ConfigError, DiskFullError, RunFolderError, RunFolderWarning, is_disk_full  # noqa: F401 (re-exported)
+from .processes import process_alive, process_tag, stale_temporaries, start_time  # noqa: F401 (re-exported)
 
 __all__ = [
     "RUN_FILES",
     "DiskFullError",
     "MetricsWriter",
+    "RunFolder",
     "RunFolderError",
     "RunFolderWarning",
     "RunLock",
     "RunLog",
+    "RunModel",
+    "aside_name",
     "check_data_unchanged",
     "check_run_folder",
     "claim_run_folder",
@@ -63,31 +66,6 @@ FINGERPRINT_NAME = "data_fingerprint.json"
 RUN_ENTRIES = RUN_FILES + ("eval", "final", "tensorboard", "wandb", FINGERPRINT_NAME)
 LOCK_NAME = ".lock"
 PID_NAME = ".lock.pid"
-_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-
-
-class RunFolderError(ConfigError):
-    """A run folder that cannot take this run (holds another run, or is in use); one line."""
-
-
-class RunFolderWarning(UserWarning):
-    """A repaired or skipped ``metrics.jsonl`` line, or rows dropped on resume."""
-
-
-class DiskFullError(OSError):
-    """A write that failed for want of space; ``str()`` is one line naming the file, and the
-    writer left no partial file behind."""
-
-    def __init__(self, path: os.PathLike | str, what: str, cause: OSError):
-        super().__init__(cause.errno, os.strerror(cause.errno or errno.ENOSPC), str(path))
-        self.message = f"{what}: no space left on device writing {str(path)!r} ({os.strerror(cause.errno or errno.ENOSPC)})"
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def is_disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in _NO_SPACE
 
 
 # -- ownership -----------------------------------------------------------------------------
@@ -99,7 +77,10 @@ def holds_run(path: os.PathLike | str) -> List[str]:
     return [name for name in RUN_FILES if (p / name).exists()]
 
 
-def _aside_name(path: Path) -> Path:
+def aside_name(path: os.PathLike | str) -> Path:
+    """Where ``--overwrite`` moves ``path`` (a run folder, or a file a command would replace):
+    the first free sibling ``<name>.old-<k>``, k = 1, 2, ...; nothing is deleted."""
+    path = Path(path)
     k = 1
     while (path.parent / f"{path.name}.old-{k}").exists():
         k += 1
@@ -110,12 +91,12 @@ def _refusal(path: Path, found: List[str]) -> RunFolderError:
     if not any((path / "checkpoints").glob("step_*")):  # killed before its first checkpoint: nothing to resume
         return RunFolderError(
             f"output_dir: {str(path)!r} holds a run that stopped before its first checkpoint ({', '.join(found)}); "
-            f"start again with --overwrite (the old run is moved to {str(_aside_name(path))!r}, nothing is deleted), "
+            f"start again with --overwrite (the old run is moved to {str(aside_name(path))!r}, nothing is deleted), "
             f"or choose another --output-dir"
         )
     return RunFolderError(
         f"output_dir: {str(path)!r} already holds a run ({', '.join(found)}); continue it with --resume, "
-        f"start again with --overwrite (the old run is moved to {str(_aside_name(path))!r}, nothing is deleted), "
+        f"start again with --overwrite (the old run is moved to {str(aside_name(path))!r}, nothing is deleted), "
         f"or choose another --output-dir"
     )
 
@@ -137,7 +118,7 @@ def check_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool) 
     if found and not resume and not overwrite:
         raise _refusal(p, found)
     if found and overwrite:  # the old run must be movable aside: a read-only parent refuses now, not later
-        aside = _aside_name(p)
+        aside = aside_name(p)
         try:
             aside.mkdir()
             aside.rmdir()
@@ -145,34 +126,6 @@ def check_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool) 
             raise _cannot_move_aside(p, aside, e) from None
     if p.is_dir():
         RunLock(p).probe()  # only to say who holds it, before a model loads
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """When process ``pid`` started (clock ticks since boot, field 22 of ``/proc/<pid>/stat``):
-    with the pid it names one process, even after the pid is reused. None where there is no
-    ``/proc`` or no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return None
-
-
-def process_alive(pid: int, start: Optional[str] = None) -> bool:
-    """Whether process ``pid`` is running (and, given ``start``, is the process that started then,
-    not a later one that got its pid)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        pass
-    if start is not None:
-        now = _start_time(pid)
-        return now is None or now == start
-    return True
 
 
 def _holder_of(folder: Path) -> str:
@@ -195,34 +148,6 @@ def _holder_of(folder: Path) -> str:
     except OSError:
         pass
     return "unknown"
-
-
-def process_tag(pid: Optional[int] = None) -> str:
-    """``"<pid>-<start time>"`` of this process (or ``pid``), ``"<pid>"`` where start times are
-    unknown: the suffix of a temporary entry, naming its writer even after its pid is reused."""
-    pid = os.getpid() if pid is None else pid
-    start = _start_time(pid)
-    return f"{pid}-{start}" if start else str(pid)
-
-
-def stale_temporaries(root: os.PathLike | str, prefix: str) -> List[Path]:
-    """The temporary entries ``<root>/<prefix>..._<tag>`` (:func:`process_tag`) whose writer is
-    dead, or is this process (which writes one at a time). A live process's temporary entry is
-    never one: a second process on the folder cannot remove it under its writer. An entry named
-    by a pid alone is stale where start times are known (an older writer's), else when that pid
-    is dead."""
-    own = os.getpid()
-    known = _start_time(own) is not None
-    out = []
-    for p in Path(root).glob(f"{prefix}*"):
-        m = re.search(r"_(\d+)(?:-(\d+))?$", p.name)
-        if m is None:
-            out.append(p)
-            continue
-        pid, start = int(m.group(1)), m.group(2)
-        if pid == own or (start is None and known) or not process_alive(pid, start):
-            out.append(p)
-    return out
 
 
 class RunLock:
@@ -285,7 +210,7 @@ class RunLock:
         self._lock_file()
         try:
             self._lock_folder()
-            (self.folder / PID_NAME).write_text(f"{os.getpid()}\n{_start_time(os.getpid()) or ''}\n")
+            (self.folder / PID_NAME).write_text(f"{os.getpid()}\n{start_time(os.getpid()) or ''}\n")
         except BaseException:
             self._release_locks()
             raise
@@ -319,7 +244,7 @@ def claim_run_folder(path: os.PathLike | str, *, resume: bool, overwrite: bool, 
         if found and not resume:
             if not overwrite:
                 raise _refusal(p, found)
-            aside = _aside_name(p)
+            aside = aside_name(p)
             try:
                 aside.mkdir()
                 for name in RUN_ENTRIES:
@@ -549,3 +474,158 @@ class RunLog:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+# -- reading a run ---------------------------------------------------------------------------
+
+
+@dataclass
+class RunModel:
+    """A run's model as :meth:`RunFolder.load_model` gives it."""
+
+    config: Any  # the run's TrainConfig
+    model: Any  # its base model (with its LoRA adapter where it trained one), the checkpoint's weights in it
+    tokenizer: Any
+    checkpoint: Optional[Path]  # the checkpoint folder the weights are from; None: the initial weights
+    state: Optional[Dict[str, Any]]  # that checkpoint's state (its step, the critic's weights, ...)
+    critic: Optional[Any] = None  # the checkpoint's value head (models.ValueHead), when asked for
+
+
+class RunFolder:
+    """A run's folder, read: its settings (``config.json``), its checkpoints
+    (``checkpoints/step_XXXXXXXX``) and its model. The commands that read a run (``eval --run``,
+    ``export``, ``fidelity``, ``compare``, ``--resume``) read it through this.
+
+    A folder that is not a run's is one line of ``error`` (a :class:`ConfigError` unless the
+    command has its own) naming ``arg``, the argument that named the folder (``RUN``, ``--run``).
+    Checkpoints are loaded and checked by the ``checkpoint`` module (their sha256, finite weights,
+    every weight of the model's shape and dtype)."""
+
+    def __init__(self, path: os.PathLike | str, *, arg: str = "RUN", error: type = ConfigError):
+        self.path = Path(path)
+        self.arg = arg
+        self.error = error
+        self._config: Any = None
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    # -- settings
+
+    def saved_config(self) -> Optional[Dict[str, Any]]:
+        """``config.json`` as plain values; None where there is none or it is not a JSON object
+        (the comparisons of a run's settings read it so: there, the checkpoint's own copy decides)."""
+        try:
+            data = json.loads(self.config_file.read_text())
+        except (OSError, ValueError):  # missing, unreadable, not JSON or not UTF-8
+            return None
+        return data if isinstance(data, dict) else None
+
+    def config(self):
+        """The run's settings: ``config.json`` read back into a ``TrainConfig``, each field checked
+        for its type and range (``config.config_from_dict``). A folder without one, or a file that
+        is not JSON, is one line."""
+        if self._config is None:
+            from .config import config_from_dict
+
+            f = self.config_file
+            if not f.is_file():
+                raise self.error(f"{self.arg}: expected a tokencredit run folder (with config.json), got {str(self.path)!r}")
+            try:
+                data = json.loads(f.read_text())
+            except ValueError as e:  # not JSON, or not UTF-8
+                raise self.error(f"{self.arg}: {f} is not valid JSON ({e})") from None
+            self._config = config_from_dict(data, "config.json")
+        return self._config
+
+    # -- checkpoints
+
+    def checkpoints(self) -> List[Path]:
+        """The checkpoint folders, oldest step first."""
+        from .checkpoint import list_checkpoints
+
+        return list_checkpoints(self.checkpoints_dir)
+
+    def steps(self) -> List[int]:
+        """The steps the run holds a checkpoint of, in order."""
+        return [int(p.name.rsplit("_", 1)[1]) for p in self.checkpoints()]
+
+    def latest(self) -> Optional[Path]:
+        """The newest checkpoint folder (not loaded, not checked), or None when there is none."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def checkpoint(self, step: Optional[int] = None) -> Path:
+        """The checkpoint folder of ``step`` (None: the newest); a run without one, or a step it
+        holds no checkpoint of, is one line."""
+        have = self.steps()
+        if step is None:
+            if not have:
+                raise self.error(f"{self.arg}: expected a checkpoint under {str(self.checkpoints_dir)!r}, found none "
+                                 f"(the run stopped before its first)")
+            step = have[-1]
+        elif step not in have:
+            raise self.error(f"--checkpoint: expected one of the run's checkpoint steps {have}, got {step}")
+        return self.checkpoints_dir / f"step_{step:08d}"
+
+    def load_checkpoint(self, step: Optional[int] = None) -> Tuple[Path, Dict[str, Any]]:
+        """The checkpoint of ``step`` (None: the newest) and its state, loaded and checked
+        (``checkpoint.load_checkpoint``: a damaged one is a ``CheckpointError`` naming it)."""
+        from .checkpoint import load_checkpoint
+
+        ck = self.checkpoint(step)
+        return ck, load_checkpoint(ck)
+
+    def load_latest(self, verify=None) -> Tuple[Path, Dict[str, Any]]:
+        """The newest intact checkpoint and its state: a damaged one (or one ``verify(path,
+        state)`` refuses) is skipped with a warning and the one before is tried
+        (``checkpoint.load_latest_checkpoint``)."""
+        from .checkpoint import load_latest_checkpoint
+
+        return load_latest_checkpoint(self.checkpoints_dir, verify=verify)
+
+    # -- the model
+
+    def load_model(self, checkpoint: Union[None, int, str, os.PathLike] = "latest", *, critic: bool = False,
+                   state: Optional[Dict[str, Any]] = None) -> RunModel:
+        """The run's model: its base model (``model.name``), with a LoRA adapter where it trained
+        one, holding a checkpoint's weights: ``"latest"`` the newest checkpoint, an ``int`` that
+        step's, a path that checkpoint folder's, None the initial weights. The checkpoint is loaded
+        and checked before any model loads; its weights go in only when every trainable weight is
+        there, of the model's shape and dtype (``checkpoint.load_weights``: nothing broadcast,
+        nothing left as it was). ``critic``: the checkpoint's value head too (a run without one is
+        refused before any model loads). ``state``: that checkpoint's state where the caller has
+        loaded it already (:meth:`load_checkpoint`)."""
+        from .checkpoint import load_checkpoint, load_weights
+
+        cfg = self.config()
+        ck = None
+        if isinstance(checkpoint, (int, type(None))) or checkpoint == "latest":
+            if checkpoint is not None:
+                ck = self.checkpoint(None if checkpoint == "latest" else checkpoint)
+        else:
+            ck = Path(checkpoint)
+            if not ck.exists():
+                raise self.error(f"--checkpoint: expected a checkpoint folder, got {str(ck)!r} (no such folder)")
+        if ck is not None and state is None:
+            state = load_checkpoint(ck)
+        if critic and (state is None or state.get("critic") is None):
+            from .registry import get_method, list_methods
+
+            with_critic = " or ".join(n for n in list_methods() if get_method(n).critic is not None)
+            raise self.error(f"{self.arg}: expected a checkpoint with a critic (a run of {with_critic}), got "
+                             f"{str(ck) if ck is not None else 'none'} without one")
+        from .models import ValueHead, add_lora, resolve_model
+
+        model, tok = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
+        if cfg.model.lora:
+            model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
+        head = ValueHead(int(model.config.hidden_size)) if critic else None
+        if state is not None:
+            load_weights(state, model, head, where=f"checkpoint {str(ck / 'state.pt') if ck.is_dir() else str(ck)!r}")
+        return RunModel(cfg, model, tok, ck, state, head)

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..errors import EstimatesMismatch, FidelityError  # noqa: F401 (defined in errors; importable here too)
+
 __all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_SPANS_CRN", "REFERENCE_TOKENS", "REFERENCE_TOKENS_CRN", "batch_fingerprint",
            "mc_positions", "response_rows"]
 
@@ -33,15 +35,6 @@ REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " 
                            + " --prompts 32 --samples 4 --max-new-tokens 3 --temperature 1.0 --threads 1")
 
 
-class FidelityError(ValueError):
-    """Bad input to the fidelity instrument; the message is one line naming what does not match."""
-
-
-class EstimatesMismatch(FidelityError):
-    """An existing estimates file of another batch or other settings than the build's (the
-    command line offers ``--overwrite``)."""
-
-
 def _lengths(saved: Dict[str, Any]) -> List[int]:
     return [int(x) for x in torch.as_tensor(saved["signals"]["response_mask"]).bool().sum(1)]
 
@@ -50,7 +43,7 @@ def response_rows(saved: Dict[str, Any]) -> List[List[int]]:
     """The response token ids of every row, without padding."""
     ids = saved.get("response_ids")
     if ids is None:
-        raise FidelityError("ROLLOUTS: no 'response_ids' (saved by the trainer's _save_rollouts); cannot continue its prefixes")
+        raise FidelityError("ROLLOUTS: no 'response_ids' (saved by the trainer's save_rollouts); cannot continue its prefixes")
     ids = torch.as_tensor(ids)
     return [ids[i, :n].tolist() for i, n in enumerate(_lengths(saved))]
 

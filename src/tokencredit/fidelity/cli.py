@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..runfolder import RunFolder, aside_name
 from .base import (REFERENCE_EXACT, REFERENCE_EXACT_COMMAND, REFERENCE_SET, REFERENCE_SPANS_CRN, REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, EstimatesMismatch,
                    FidelityError, _atomic_save, _check_rows, _lengths)
 from .claims import CLAIM_SPECS, claims, format_claims
@@ -134,12 +135,6 @@ def _build_main(argv: List[str]) -> int:
         raise SystemExit(f"tokencredit fidelity build: {e}") from None
 
 
-def _aside(path: Path) -> Path:
-    from ..runfolder import _aside_name
-
-    return _aside_name(path)
-
-
 def _start_again(out: Path, *, task: bool) -> None:
     """``--overwrite``: the estimates file ``out`` and (a ``--task`` build) its batch folder
     moved aside; called after every check, before any model loads. A folder another build holds
@@ -151,13 +146,13 @@ def _start_again(out: Path, *, task: bool) -> None:
         check_run_folder(run, resume=False, overwrite=True)
     for p in (out, run) if task else (out,):
         if p.exists():
-            to = _aside(p)
+            to = aside_name(p)
             p.rename(to)
             print(f"--overwrite: {p} moved to {to}", file=sys.stderr)
 
 
 def _overwrite_hint(p: Path) -> str:
-    return f"start again with --overwrite ({str(p)!r} is moved to {str(_aside(p))!r}, nothing is deleted) or choose another -o"
+    return f"start again with --overwrite ({str(p)!r} is moved to {str(aside_name(p))!r}, nothing is deleted) or choose another -o"
 
 
 def _parse_rows(text: Optional[str]) -> Optional[List[int]]:
@@ -175,39 +170,16 @@ def _run_of(rollouts_file: Path) -> Path:
 
 def _load_run(run: Path, checkpoint: Optional[Path], *, critic: bool = False):
     """A run's config, its model (LoRA as configured) with a checkpoint's weights, the tokenizer
-    and, with ``critic``, the checkpoint's value head. ``checkpoint`` None: the initial weights."""
-    from ..checkpoint import load_checkpoint
-    from ..config import TrainConfig, _from_dict
-    from ..models import ValueHead, add_lora, resolve_model
+    and, with ``critic``, the checkpoint's value head (``runfolder.RunFolder.load_model``: checked
+    before any model loads; every trainable weight of its shape and dtype). ``checkpoint`` None:
+    the initial weights. A checkpoint that cannot be used is a :class:`FidelityError`."""
+    from ..checkpoint import CheckpointError
 
-    cfg_file = run / "config.json"
-    if not cfg_file.is_file():
-        raise FidelityError(f"RUN: {run} is not a run directory with config.json (needed for the model, task and sampling settings)")
-    cfg = _from_dict(TrainConfig, json.loads(cfg_file.read_text()), "config.json")
-    sd = None
-    if checkpoint is not None:
-        if not checkpoint.exists():
-            raise FidelityError(f"--checkpoint: no checkpoint {checkpoint}")
-        sd = load_checkpoint(checkpoint)
-    if critic and (sd is None or sd.get("critic") is None):
-        raise FidelityError(f"RUN: expected a checkpoint with a critic (a run of {_critic_methods()}), got "
-                            f"{checkpoint if checkpoint is not None else 'none'} without one")
-    model, tok = resolve_model(cfg.model.name, cache_dir=cfg.model.cache_dir)
-    if cfg.model.lora:
-        model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
-    head = None
-    if sd is not None:
-        from ..checkpoint import CheckpointError, check_weights, copy_weights
-
-        try:  # every trainable weight, of its shape and dtype: nothing broadcast, nothing left as it was
-            copy_weights(model, sd["model"], f"--checkpoint: {checkpoint}")
-            if critic:
-                head = ValueHead(int(model.config.hidden_size))
-                check_weights(sd["critic"], head.state_dict(), f"--checkpoint: {checkpoint}", part="critic")
-                head.load_state_dict(sd["critic"])
-        except CheckpointError as e:
-            raise FidelityError(str(e)) from None
-    return cfg, model, tok, head
+    try:
+        got = RunFolder(run, arg="RUN", error=FidelityError).load_model(checkpoint, critic=critic)
+    except CheckpointError as e:
+        raise FidelityError(str(e)) from None
+    return got.config, got.model, got.tokenizer, got.critic
 
 
 def _copy_weights(model, weights: Dict[str, torch.Tensor], where: str) -> None:
@@ -309,7 +281,7 @@ def _build_from_task(a) -> int:
     if a.overwrite:
         _start_again(out, task=True)
     trainer = Trainer(cfg)
-    trainer._open_logs()  # config.json: a resumed build reloads the same model and task
+    trainer.open_logs()  # config.json: a resumed build reloads the same model and task
     saved = sample_batch(trainer, a.prompts)
     if cfg.model.lora:  # a fresh adapter is random: keep it, so that a resumed build samples the same policy
         torch.save({n: p.detach().cpu() for n, p in trainer.model.named_parameters() if "lora_" in n},
@@ -343,14 +315,13 @@ def _critic_main(argv: List[str]) -> int:
 
 
 def _critic_from_run(a) -> int:
-    from ..checkpoint import latest_checkpoint
     from ..spec import CreditPipeline
 
     if a.threads:
         torch.set_num_threads(a.threads)
     est = load_estimates(a.estimates, require_complete=False)
     run = Path(a.run)
-    ck = Path(a.checkpoint) if a.checkpoint else latest_checkpoint(run / "checkpoints")
+    ck = Path(a.checkpoint) if a.checkpoint else RunFolder(run).latest()
     cfg, model, tok, head = _load_run(run, ck, critic=True)
     pipe = CreditPipeline(cfg.credit, cfg.method_configs())
     method = _critic_method(pipe.name)

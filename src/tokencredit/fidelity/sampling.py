@@ -166,7 +166,7 @@ def sample_batch(trainer, prompts: int) -> Dict[str, Any]:
     """One batch of ``prompts`` x the run's samples per prompt from ``trainer``'s policy as it is,
     taken by the trainer's own step with the learning rate set to 0 (the weights are checked to
     be unchanged), so that it carries every signal and the credit state exactly as a run saves
-    them. Returns the rollouts (as ``_save_rollouts`` writes them)."""
+    them. Returns the rollouts (as ``Trainer.save_rollouts`` writes them)."""
     import tempfile
 
     cfg = trainer.cfg
@@ -190,5 +190,5 @@ def sample_batch(trainer, prompts: int) -> Dict[str, Any]:
         raise RuntimeError(f"sample_batch: a step at learning rate 0 changed {changed[:3]}")
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "rollouts.pt"
-        trainer._save_rollouts(path)
+        trainer.save_rollouts(path)
         return torch.load(path, map_location="cpu", weights_only=True)
