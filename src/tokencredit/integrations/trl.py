@@ -564,9 +564,11 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
     def _multimodal_signals(self, given, ids, att, T, bs, mm) -> Dict[str, torch.Tensor]:
         """Multimodal batches: the policy's log-probs / entropy and the adapter-off reference through
         TRL's helper (which slices the image fields per chunk), returned as ``given``; the passes
-        that need a plain forward (mode_prob, hidden states, the oracle prompt) are not supported."""
+        that need a plain forward (any other policy-pass signal such as mode_prob or sum_pi_squared,
+        hidden states, the oracle prompt) are not supported."""
         plan = self._plan
-        own = sorted(plan.signals & {"mode_prob", "hidden_residual", "oracle_logprobs"})
+        helper_gives = {"logprobs", "entropy"}  # what TRL's _get_per_token_logps_and_entropies returns
+        own = sorted((set(plan.policy) - helper_gives) | (plan.signals & {"hidden_residual", "oracle_logprobs"}))
         if own:
             raise NotImplementedError(
                 f"credit '{self.credit.name}': signals {own} need a forward pass that "
