@@ -28,7 +28,7 @@ def make_batch(
     binary_rewards: bool = True,
     dtype=torch.float32,
     signals=("logprobs", "old_logprobs", "ref_logprobs", "entropy", "mode_prob", "hidden_residual", "oracle_logprobs", "values",
-             "token_ids", "planning_mask", "true_values", "sum_pi_squared"),
+             "token_ids", "planning_mask", "true_values", "sum_pi_squared", "mc_values", "step_starts"),
 ) -> CreditBatch:
     """A valid batch whose token signals are mutually consistent (taken from real distributions).
 
@@ -78,6 +78,11 @@ def make_batch(
         kw["sum_pi_squared"] = probs.square().sum(-1).to(dtype)
     if "true_values" in signals:  # its own stream: the draws above are as before it was added
         kw["true_values"] = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 7919), dtype=torch.float64).to(dtype)
+    if "mc_values" in signals or "step_starts" in signals:  # steps of 2 tokens, each with its own MC value (own stream)
+        g = torch.Generator().manual_seed(seed + 104729)
+        step = torch.arange(T) // 2
+        kw["step_starts"] = (torch.arange(T) % 2 == 0).to(dtype).expand(B, T).clone()
+        kw["mc_values"] = (torch.randint(0, 5, (B, (T + 1) // 2), generator=g).double() / 4).to(dtype)[:, step]
     return CreditBatch(response_mask=mask, rewards=rewards, group_ids=group_ids, **kw)
 
 

@@ -24,6 +24,11 @@ true_values        [B, T]     the current policy's exact value V(h_t) of the sta
                               (enumerated on a task with a response space: exactvalue)
 sum_pi_squared     [B, T]     sum_v pi_v^2 of the next-token distribution (its collision
                               probability; verl's sum_pi_squared, OTB's variance proxy)
+mc_values          [B, T]     Monte Carlo value of the state before the step containing token t:
+                              the mean reward of K continuations sampled from that step's
+                              prefix (the continuation pass: continuations; VinePPO)
+step_starts        [B, T]     1 on the first token of each step the continuation pass cut the
+                              response into, 0 elsewhere
 values             [B, T + 1] critic values; values[:, t] = V(h_t), the state before token t
 token_ids          [B, T]     the sampled token ids y_t (integers >= 0 on valid positions;
                               an integer or a floating-point tensor: KTAE's token statistics)
@@ -57,6 +62,8 @@ TOKEN_SIGNALS = (
     "oracle_logprobs",
     "true_values",
     "sum_pi_squared",
+    "mc_values",
+    "step_starts",
 )
 #: every optional signal a method may declare (token_ids: the rollout's own tokens, no model pass)
 SIGNALS = TOKEN_SIGNALS + ("values", "token_ids", "planning_mask")
@@ -87,6 +94,8 @@ class CreditBatch:
     token_ids: Optional[Tensor] = None
     planning_mask: Optional[Tensor] = None
     sum_pi_squared: Optional[Tensor] = None
+    mc_values: Optional[Tensor] = None
+    step_starts: Optional[Tensor] = None
     # derived on construction, not passed by callers
     mask: Tensor = field(init=False, repr=False)
 

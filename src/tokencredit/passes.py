@@ -42,6 +42,12 @@ class PassInputs:
     group_ids: Optional[torch.Tensor] = None
     alphabet: Optional[Sequence[int]] = None
     leaf_rewards: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
+    # the continuation pass (mc_values): ``sample(prefixes, k, budgets)`` draws continuations from
+    # the policy (continuations.sample_continuations), ``continuation_rewards(row, responses)``
+    # scores whole responses to row's prompt with the task's reward; ``budget``: new tokens per response
+    sample: Optional[Callable[[List[List[int]], int, List[int]], List[List[List[int]]]]] = None
+    continuation_rewards: Optional[Callable[[int, List[List[int]]], Sequence[float]]] = None
+    budget: Optional[int] = None
 
 
 @dataclass
@@ -175,6 +181,19 @@ def run_passes(
         res["true_values"] = batch_true_values(
             policy, inp.input_ids, inp.attention_mask, P, inp.response_ids, inp.response_mask, inp.group_ids,
             inp.alphabet, inp.response_ids.shape[1], inp.leaf_rewards, temperature=temperature, forward=forward)
+    if plan.continuations is not None and "mc_values" not in given:
+        from .continuations import mc_step_values
+
+        if inp.sample is None or inp.continuation_rewards is None or inp.budget is None or inp.decode is None:
+            raise ValueError("mc_values: the plan has a continuation pass; expected PassInputs.sample, continuation_rewards, "
+                             "budget and decode, got None")
+        pm = inp.attention_mask[:, :P].bool().cpu()
+        rm = inp.response_mask.bool().cpu()
+        mc = mc_step_values(plan.continuations, prompts=[inp.input_ids[b, :P].cpu()[pm[b]].tolist() for b in range(N)],
+                            responses=[inp.response_ids[b].cpu()[rm[b]].tolist() for b in range(N)], decode=inp.decode,
+                            budget=inp.budget, sample=inp.sample, rewards=inp.continuation_rewards,
+                            logprobs=res["logprobs"].cpu() if "logprobs" in res else None, T=inp.response_ids.shape[1])
+        res.update({k: v.to(inp.response_ids.device) for k, v in mc.items()})
     if plan.critic is not None:
         head_out = models.critic(res["hidden"]).squeeze(-1)
         res["values"] = torch.sigmoid(head_out) if plan.critic.transform == "sigmoid" else head_out

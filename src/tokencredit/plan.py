@@ -16,6 +16,9 @@ each computed once and shared by every signal it serves:
     critic        a value head on the policy's hidden  values
     enumeration   the policy on every continuation     true_values (exact V(h_t); a task with a
                   of a response-space task             response space: exactvalue)
+    continuations the policy samples K continuations   mc_values, step_starts (the declared
+                  after each step's prefix, scored     ContinuationPass: its cut rule, K; the own
+                  by the task's reward                 trainer: continuations)
     (none)        the rollout's own sampled tokens     token_ids
 
 A trainer knows passes, never method names: ``tests/test_external_method.py`` registers methods
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Tuple
 
 from .errors import PlanError  # noqa: F401 (defined in errors; importable here too)
-from .registry import CriticSpec, OraclePass, default_oracle
+from .registry import ContinuationPass, CriticSpec, OraclePass, default_oracle
 from .spec import CreditPipeline
 
 __all__ = ["SignalPlan", "PlanError", "plan_signals"]
@@ -54,6 +57,7 @@ class SignalPlan:
     oracle: Optional[OraclePass]
     critic: Optional[CriticSpec]
     true_values: bool = False  # the enumeration pass: the policy's exact V(h_t) (exactvalue)
+    continuations: Optional[ContinuationPass] = None  # Monte Carlo continuations per step (mc_values)
 
     @property
     def passes(self) -> Tuple[str, ...]:
@@ -71,6 +75,8 @@ class SignalPlan:
             out.append("critic")
         if self.true_values:
             out.append("enumeration")
+        if self.continuations is not None:
+            out.append("continuations")
         return tuple(out)
 
     def with_signals(self, extra) -> "SignalPlan":
@@ -79,7 +85,7 @@ class SignalPlan:
         one, else :func:`~tokencredit.registry.default_oracle` (the self-oracle the registered
         oracle methods declare at their defaults)."""
         return _build(self.signals | frozenset(extra), self.oracle, self.critic, lora=self._lora,
-                      explicit_reference=self._explicit_reference)
+                      explicit_reference=self._explicit_reference, continuations=self.continuations)
 
     @classmethod
     def policy_only(cls, *, hidden: bool) -> "SignalPlan":
@@ -93,7 +99,8 @@ class SignalPlan:
     _explicit_reference: bool = False
 
 
-def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool) -> SignalPlan:
+def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool,
+           continuations: Optional[ContinuationPass] = None) -> SignalPlan:
     signals = frozenset(signals)
     policy = tuple(s for s in POLICY_SIGNALS if s in signals)
     needs_ref = "ref_logprobs" in signals
@@ -118,6 +125,7 @@ def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool) -> 
         oracle=oracle if "oracle_logprobs" in signals else None,
         critic=critic if "values" in signals else None,
         true_values="true_values" in signals,
+        continuations=continuations if {"mc_values", "step_starts"} & signals else None,
         _lora=lora,
         _explicit_reference=explicit_reference,
     )
@@ -131,13 +139,16 @@ def plan_signals(
     explicit_reference: bool = False,
     teacher: bool = False,
     enumerable: bool = False,
+    continuations: bool = False,
 ) -> SignalPlan:
     """The passes a step of ``credit`` needs under this setting.
 
     lora: the policy carries a LoRA adapter. kl: the loss has a KL term (needs ref_logprobs).
     explicit_reference: a reference model was named or given (it wins over the adapter-off pass).
     teacher: a teacher model was given. enumerable: the task declares a response space whose
-    continuations the trainer can enumerate (the ``true_values`` signal). Raises :class:`PlanError` when a declared need cannot be
+    continuations the trainer can enumerate (the ``true_values`` signal). continuations: the
+    trainer can sample continuations of a response prefix from the policy and score them with
+    the task's reward (the ``mc_values`` signal; the own trainer). Raises :class:`PlanError` when a declared need cannot be
     met (an adapter-reading method without LoRA, a teacher-scored pass without a teacher).
     """
     signals = set(credit.required_signals)
@@ -154,9 +165,16 @@ def plan_signals(
             f"credit '{credit.name}': {', '.join(who)} reads true_values (the policy's exact V by enumeration); expected "
             f"a task with a response space (tokencredit bench's tasks: keytok, carry, fork) and the own trainer, got none"
         )
+    if {"mc_values", "step_starts"} & signals and not continuations:
+        who = [m.name for m in credit.methods if {"mc_values", "step_starts"} & set(m.requires)]
+        raise PlanError(
+            f"credit '{credit.name}': {', '.join(who)} reads mc_values (Monte Carlo values from continuations sampled "
+            f"after each step and scored by the task's reward); expected the own trainer with the task's reward "
+            f"(no reward.funcs), got a trainer that cannot sample and score continuations"
+        )
     if kl:
         signals.add("ref_logprobs")
-    oracle = critic = None
+    oracle = critic = cont = None
     for m in credit.methods:
         cfg = credit.configs[m.name]
         if m.needs_adapter and not lora:
@@ -172,6 +190,11 @@ def plan_signals(
                 oracle = o
         if m.critic is not None and "values" in m.requires:
             critic = m.critic(cfg)
+        if m.continuations is not None and {"mc_values", "step_starts"} & set(m.requires):
+            c = m.continuations(cfg)
+            if cont is not None and c != cont:
+                raise PlanError(f"credit '{credit.name}': two methods declare different continuation passes")
+            cont = c
     if oracle is not None and oracle.scorer == "teacher" and not teacher:
         raise PlanError(
             f"model.teacher: credit '{credit.name}' has {credit.estimator.name}.oracle='teacher'; expected a teacher "
@@ -183,4 +206,4 @@ def plan_signals(
             f"model.teacher: credit '{credit.name}' has {said}, so the teacher would be unused; expected no teacher"
             + (f" or --credit-args {credit.estimator.name}.oracle=teacher" if oracle is not None else "") + ", got a teacher"
         )
-    return _build(signals, oracle, critic, lora=lora, explicit_reference=explicit_reference)
+    return _build(signals, oracle, critic, lora=lora, explicit_reference=explicit_reference, continuations=cont)

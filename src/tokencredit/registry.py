@@ -36,6 +36,7 @@ __all__ = [
     "CreditOutput",
     "OraclePass",
     "CriticSpec",
+    "ContinuationPass",
     "MethodInfo",
     "register_estimator",
     "register_calibrator",
@@ -115,6 +116,31 @@ class CriticSpec:
 
 
 @dataclass(frozen=True)
+class ContinuationPass:
+    """Monte Carlo continuations a method declares: each response is cut into steps, and ``k``
+    fresh continuations are sampled from the current policy after each step's prefix and
+    scored by the task's reward; their mean becomes ``mc_values`` (and the cuts ``step_starts``).
+
+    cuts: ``(token_texts, logprobs) -> [p_0 = 0, p_1, ...]``, the token positions where the
+        steps start, from each response token's decoded text (and its policy log-probs
+        ``[T_row]``, for a cut rule that reads them, e.g. SPO's probability-based cut points;
+        None when the plan has no policy pass). One call per response.
+    k: continuations per prefix. max_steps: the prefixes of steps past this index are not
+        sampled (their value is left to the method; None: every step's).
+    """
+
+    cuts: Callable[[Any, Any], Any]
+    k: int
+    max_steps: Optional[int] = None
+
+    def __post_init__(self):
+        if not (isinstance(self.k, int) and self.k >= 1):
+            raise ValueError(f"ContinuationPass k: expected an int >= 1, got {self.k!r}")
+        if self.max_steps is not None and not (isinstance(self.max_steps, int) and self.max_steps >= 0):
+            raise ValueError(f"ContinuationPass max_steps: expected None or an int >= 0, got {self.max_steps!r}")
+
+
+@dataclass(frozen=True)
 class MethodInfo:
     name: str
     kind: str  # "estimator" | "calibrator"
@@ -133,6 +159,7 @@ class MethodInfo:
     # extra passes and models, each a function of the method's config (None: not needed)
     oracle: Optional[Callable[[Any], Optional[OraclePass]]] = None
     critic: Optional[Callable[[Any], CriticSpec]] = None
+    continuations: Optional[Callable[[Any], ContinuationPass]] = None
     # the method reads an adapter's effect (ARCA's residual): a model without a LoRA adapter is an error
     needs_adapter: bool = False
     # when the signals read depend on the config (TACO's ar_lopti mode reads old_logprobs):
@@ -194,6 +221,8 @@ def _register(info: MethodInfo) -> None:
         raise ValueError(f"{info.name}: requires oracle_logprobs but declares no oracle pass (oracle=...)")
     if "values" in info.requires and info.critic is None:
         raise ValueError(f"{info.name}: requires values but declares no critic (critic=...)")
+    if {"mc_values", "step_starts"} & set(info.requires) and info.continuations is None:
+        raise ValueError(f"{info.name}: requires mc_values / step_starts but declares no continuation pass (continuations=...)")
     unknown = set(info.requires) - set(SIGNALS)
     if unknown:
         raise ValueError(f"{info.name}: requires unknown signal(s) {sorted(unknown)}; known: {SIGNALS}")
@@ -216,6 +245,7 @@ def register_estimator(
     loss_defaults: Optional[Dict[str, Any]] = None,
     oracle: Optional[Callable[[Any], Optional[OraclePass]]] = None,
     critic: Optional[Callable[[Any], CriticSpec]] = None,
+    continuations: Optional[Callable[[Any], ContinuationPass]] = None,
 ) -> Callable:
     """Decorator: register ``fn(batch, config) -> CreditOutput`` as estimator ``name``."""
 
@@ -235,6 +265,7 @@ def register_estimator(
                 loss_defaults=dict(loss_defaults or {}),
                 oracle=oracle,
                 critic=critic,
+                continuations=continuations,
             )
         )
         return fn

@@ -411,6 +411,7 @@ class Trainer:
             oracle_prompt_len=batch.oracle_prompt_len if own else batch.prompt_len,
             decode=self.tokenizer.decode,
             **(self._enumeration_inputs(batch) if plan.true_values else {}),
+            **(self._continuation_inputs(batch) if plan.continuations is not None else {}),
         )
         models = PassModels(policy=self.model, reference=self.reference, teacher=self.teacher, critic=self.critic)
         with self._autocast():
@@ -445,6 +446,26 @@ class Trainer:
 
         return {"group_ids": batch.prompt_index, "alphabet": alphabet_ids(self.tokenizer, self.task.response_space),
                 "leaf_rewards": leaf_rewards}
+
+    def _continuation_inputs(self, batch: StepBatch) -> Dict[str, Any]:
+        """The continuation pass's inputs (mc_values): continuations sampled from the policy at
+        the rollout's temperature and top-p, and whole responses scored with the task's reward."""
+        from .continuations import sample_continuations
+
+        stop = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        gc_eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+        stop.update(int(i) for i in (gc_eos if isinstance(gc_eos, (list, tuple)) else [gc_eos] if gc_eos is not None else []))
+
+        def sample(prefixes, k, budgets):
+            return sample_continuations(self.model, prefixes, k, budgets, stop_ids=sorted(stop), pad_id=self.tokenizer.pad_token_id,
+                                        temperature=self._temperature(), top_p=self.cfg.rollout.top_p)
+
+        def rewards(row, responses):
+            ex = batch.examples[int(batch.prompt_index[row])]
+            return [self.task.reward(self.tokenizer.decode(r, skip_special_tokens=True), ex) for r in responses]
+
+        return {"sample": sample, "continuation_rewards": rewards, "budget": self.cfg.rollout.max_new_tokens}
 
     def _saves_rollouts_this_step(self) -> bool:
         nxt = self.step + 1
@@ -629,6 +650,8 @@ def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=Non
             explicit_reference=reference is not None or cfg.model.reference not in (None, "self"),
             teacher=teacher is not None or cfg.model.teacher is not None,
             enumerable=enumerable,
+            # continuations are scored with the task's reward (Task.reward), not reward.funcs' worker
+            continuations=not cfg.reward.funcs,
         )
     except PlanError as e:
         raise ConfigError(str(e)) from None
