@@ -40,7 +40,7 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
-    from tokencredit.fidelity import REFERENCE_SET, _prompt_rows, load_estimates, response_rows, sample_continuations
+    from tokencredit.fidelity import REFERENCE_SET, prompt_rows, load_estimates, response_rows, sample_continuations
     from tokencredit.models import EMBEDDED, resolve_model
 
     est = load_estimates(REFERENCE_SET)
@@ -48,7 +48,7 @@ def main() -> int:
     budget = int(est["settings"]["max_new_tokens"])
     model, tok = resolve_model(a.model or EMBEDDED)
     model.to(a.device)
-    prompts, rows = _prompt_rows(saved, tok), response_rows(saved)
+    prompts, rows = prompt_rows(saved, tok), response_rows(saved)
     results = []
     for t in [int(x) for x in a.positions.split(",")]:
         bs = [b for b in range(len(rows)) if len(rows[b]) > t][: a.prefixes]

@@ -112,13 +112,13 @@ def critic_runs(a, work: Path) -> int:
 
 def chosen_rows(spec: str, saved) -> list:
     """The response indices ``--rows`` names."""
-    from tokencredit.fidelity import _mixed_groups
+    from tokencredit.fidelity import mixed_groups
 
     groups = torch.as_tensor(saved["signals"]["group_ids"]).tolist()
     if spec == "all":
         return list(range(len(groups)))
     if spec.startswith("mixed"):
-        rows = _mixed_groups(saved, range(len(groups)))
+        rows = mixed_groups(saved, range(len(groups)))
         if ":" in spec:  # the first N such groups, in batch order
             keep = set(list(dict.fromkeys(groups[b] for b in rows))[: int(spec.split(":", 1)[1])])
             rows = [b for b in rows if groups[b] in keep]

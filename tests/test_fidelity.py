@@ -455,7 +455,7 @@ def test_cli_prints_the_claims(tmp_path, capsys):
 
 
 def test_uniform_credit_has_no_rank_correlation_even_with_a_short_last_span():
-    from tokencredit.fidelity import _row_scores, is_constant
+    from tokencredit.fidelity import row_scores, is_constant
 
     # 7 tokens of uniform credit in spans of 4: span sums (4, 3) differ only by span length
     a = torch.full((7,), 0.5)
@@ -463,7 +463,7 @@ def test_uniform_credit_has_no_rank_correlation_even_with_a_short_last_span():
     sums = span_sums(torch.cat([a, a[:2]]), 9, 4)  # 9 tokens -> spans of 4, 4, 1
     assert is_constant(a, 7) and not is_constant(torch.tensor([0.5, 0.5, 0.6]), 3)
     assert not math.isnan(spearman(sums, c))  # the artefact the flag removes
-    res = _row_scores([(sums, c, True, True)], FidelityConfig(n_boot=10))
+    res = row_scores([(sums, c, True, True)], FidelityConfig(n_boot=10))
     assert res["rank_corr"]["n"] == 0 and res["sign_agreement"]["n"] == 1
 
 
@@ -790,12 +790,12 @@ def test_paired_se_of_c_is_the_continuation_wise_difference_and_small_under_crn(
     of the SE that independent estimates would have, on the independent per-token set close to it."""
     from tokencredit.fidelity import REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, mc_positions, standard_errors
     from tokencredit.fidelity.claims import paired_c_se
-    from tokencredit.fidelity.metrics import _scored_rows
+    from tokencredit.fidelity.metrics import scored_rows
 
     ratio = {}
     for name, ref in (("ind", REFERENCE_TOKENS), ("crn", REFERENCE_TOKENS_CRN)):
         est = load_estimates(ref)
-        lengths, stride, rows, _ = _scored_rows(est)
+        lengths, stride, rows, _ = scored_rows(est)
         got = paired_c_se(est, rows)
         b = rows[0]
         x = est["samples"][b, mc_positions(lengths[b], stride)].double()

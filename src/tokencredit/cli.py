@@ -12,15 +12,12 @@ import sys
 import warnings
 from typing import List, Optional
 
+from .errors import one_line
+
 
 def _user_errors() -> tuple:
     """The exception classes that are the user's to fix (each message is one line)."""
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .models import ModelError
-    from .registry import UnknownMethodError
-    from .export import ExportError
-    from .tasks import DatasetError, RewardFnError
+    from .errors import CheckpointError, ConfigError, DatasetError, ExportError, ModelError, RewardFnError, UnknownMethodError
 
     return (ConfigError, CheckpointError, UnknownMethodError, DatasetError, RewardFnError, ModelError, ExportError)
 
@@ -348,11 +345,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one_line(e: BaseException) -> str:
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    return " ".join(str(msg).split())
-
-
 def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"warning: {message}", file=sys.stderr if file is None else file)
 
@@ -377,11 +369,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:
         if isinstance(e, UserExit) or not isinstance(e.code, str):
             raise
-        msg = _one_line(e)  # a subcommand's own one-line refusal
+        msg = one_line(e)  # a subcommand's own one-line refusal
         print(msg, file=sys.stderr)
         raise UserExit(msg) from None
     except Exception as e:
-        from .runfolder import is_disk_full
+        from .errors import is_disk_full
         from .trainer import NonFiniteError
 
         disk_full = is_disk_full(e)
@@ -389,7 +381,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         if disk_full and "no space left" not in str(e):  # a write outside the run's own writers
             e = OSError(f"no space left on device writing {e.filename!r}" if e.filename else "no space left on device")
-        msg = f"tokencredit {args.command}: {_one_line(e)}"
+        msg = f"tokencredit {args.command}: {one_line(e)}"
         print(msg, file=sys.stderr)
         if disk_full or isinstance(e, NonFiniteError):  # the run failed, the input was fine: exit 1
             raise SystemExit(1) from None

@@ -33,8 +33,7 @@ from .config_fields import (  # noqa: F401  (re-exported: tokencredit.config.X)
     YAML_MAX_DEPTH,
     YAML_MAX_VALUES,
     ConfigError,
-    _one_line,
-    _show,
+    brief_repr,
     check_section,
     load_yaml_bounded,
 )
@@ -50,6 +49,7 @@ from .config_sections import (  # noqa: F401  (re-exported: tokencredit.config.X
     RolloutConfig,
     TaskConfig,
 )
+from .errors import one_line
 
 __all__ = [
     "ModelConfig",
@@ -109,7 +109,7 @@ MethodConfigs = _make_method_configs()
 
 def _method_message(e: BaseException, method: str, where: str) -> str:
     """A method config's own error (``"taco lam: expected ..."``) as ``"<where>.lam: expected ..."``."""
-    msg = _one_line(e)
+    msg = one_line(e)
     m = re.match(rf"{re.escape(method)} (\w+): (.*)", msg)
     return f"{where}.{m.group(1)}: {m.group(2)}" if m else f"{where}: {msg}"
 
@@ -197,10 +197,10 @@ class TrainConfig:
         if not self.model.lora_targets:
             raise ConfigError("model.lora_targets: expected at least one module name, got ()")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
-            raise ConfigError(f"device: expected auto, cpu, cuda, cuda:N or mps, got {_show(self.device)}")
+            raise ConfigError(f"device: expected auto, cpu, cuda, cuda:N or mps, got {brief_repr(self.device)}")
         rf = self.task.reward_fn
         if rf is not None and not re.fullmatch(r"[^:]+:[\w.]+", rf):
-            raise ConfigError(f"task.reward_fn: expected 'package.module:function' or 'file.py:function', got {_show(rf)}")
+            raise ConfigError(f"task.reward_fn: expected 'package.module:function' or 'file.py:function', got {brief_repr(rf)}")
         _check_data_and_reward(self)
         if self.dapo.overlong_cache is not None and self.dapo.overlong_cache > self.rollout.max_new_tokens:
             raise ConfigError(
@@ -217,7 +217,7 @@ class TrainConfig:
         except (KeyError, ValueError) as e:
             raise ConfigError(
                 f"credit: expected a credit spec (e.g. 'grpo+taco') or a recipe ({', '.join(sorted(RECIPES))}), "
-                f"got {_show(self.credit)}: {_one_line(e)}"
+                f"got {brief_repr(self.credit)}: {one_line(e)}"
             ) from None
 
     def validate(self) -> "TrainConfig":
@@ -244,7 +244,7 @@ class TrainConfig:
         try:
             names = [m.name for m in parse_spec(spec)]
         except (KeyError, ValueError) as e:
-            raise ConfigError(f"credit: {_one_line(e)}") from None
+            raise ConfigError(f"credit: {one_line(e)}") from None
         section = self.credit_config
         for name in configured_methods(section):
             if name not in names:
@@ -257,7 +257,7 @@ class TrainConfig:
                 try:
                     get_method(name)
                 except (KeyError, ValueError) as e:
-                    raise ConfigError(f"credit_args: {_one_line(e)}") from None
+                    raise ConfigError(f"credit_args: {one_line(e)}") from None
                 raise ConfigError(
                     f"credit_args: {name}.{next(iter(values))}: {name} is not in the credit spec {spec!r} "
                     f"(its methods: {', '.join(names)})"
@@ -310,17 +310,17 @@ def _check_data_and_reward(cfg: "TrainConfig") -> None:
     if d.path is None:
         for name in ("eval_path", "eval_split", "eval_fraction", "answer_column", "system_prompt", "prompt_template"):
             if getattr(d, name) is not None:
-                raise ConfigError(f"data.{name}: set, but data.path is not (own data needs data.path), got {_show(getattr(d, name))}")
+                raise ConfigError(f"data.{name}: set, but data.path is not (own data needs data.path), got {brief_repr(getattr(d, name))}")
     elif cfg.task.path is not None:
-        raise ConfigError(f"task.path: expected no task.path with data.path {_show(d.path)} (own data), got {_show(cfg.task.path)}")
+        raise ConfigError(f"task.path: expected no task.path with data.path {brief_repr(d.path)} (own data), got {brief_repr(cfg.task.path)}")
     if d.eval_fraction is not None and (d.eval_path is not None or d.eval_split is not None):
         raise ConfigError(f"data.eval_fraction: expected no eval_fraction with data.eval_path or data.eval_split, got {d.eval_fraction}")
     if d.prompt_template is not None and "{prompt}" not in d.prompt_template:
-        raise ConfigError(f"data.prompt_template: expected a text with {{prompt}} where the row's prompt goes, got {_show(d.prompt_template)}")
+        raise ConfigError(f"data.prompt_template: expected a text with {{prompt}} where the row's prompt goes, got {brief_repr(d.prompt_template)}")
     if r.weights and len(r.weights) != len(r.funcs):
         raise ConfigError(f"reward.weights: expected {len(r.funcs)} weights, one per reward.funcs entry, got {len(r.weights)}")
     if r.funcs and cfg.task.reward_fn is not None:
-        raise ConfigError(f"task.reward_fn: expected either reward.funcs or task.reward_fn, got both ({_show(cfg.task.reward_fn)})")
+        raise ConfigError(f"task.reward_fn: expected either reward.funcs or task.reward_fn, got both ({brief_repr(cfg.task.reward_fn)})")
     for w in r.weights:
         if not math.isfinite(w):
             raise ConfigError(f"reward.weights: expected finite numbers, got {w}")
@@ -340,13 +340,13 @@ def parse_credit_args(args) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
     for a in args:
         if not isinstance(a, str) or "=" not in a or "." not in a.split("=", 1)[0]:
-            raise ConfigError(f"credit_args: expected 'method.field=value', got {_show(a)}")
+            raise ConfigError(f"credit_args: expected 'method.field=value', got {brief_repr(a)}")
         key, value = a.split("=", 1)
         method, name = key.split(".", 1)
         try:
             out.setdefault(method, {})[name] = load_yaml_bounded(value, f"credit_args: {key}")
         except yaml.YAMLError as e:
-            raise ConfigError(f"credit_args: expected a YAML value after '=', got {_show(a)} ({_one_line(e)})") from None
+            raise ConfigError(f"credit_args: expected a YAML value after '=', got {brief_repr(a)} ({one_line(e)})") from None
     return out
 
 
@@ -518,7 +518,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
         try:
             from_yaml = load_yaml_bounded(p.read_text(), f"--config: {p}") or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--config: {p} is not valid YAML ({_one_line(e)})") from None
+            raise ConfigError(f"--config: {p} is not valid YAML ({one_line(e)})") from None
     base = _from_dict(TrainConfig, from_yaml, "")
     cfg = _parse_args(args, base)
     recipe = RECIPES.get(cfg.credit)

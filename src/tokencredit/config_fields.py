@@ -24,7 +24,7 @@ import yaml
 
 from .errors import ConfigError  # noqa: F401 (defined in errors; importable here too)
 
-__all__ = ["ConfigError", "FIELD_RANGES", "YAML_MAX_DEPTH", "YAML_MAX_VALUES", "check_section", "load_yaml_bounded"]
+__all__ = ["ConfigError", "FIELD_RANGES", "YAML_MAX_DEPTH", "YAML_MAX_VALUES", "brief_repr", "check_section", "load_yaml_bounded"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,9 @@ def _choices() -> Dict[str, list]:
     }
 
 
-def _show(v: Any) -> str:
+def brief_repr(v: Any) -> str:
+    """``v`` as an error message shows it: a bounded repr (nested and long values elided), at
+    most 80 characters."""
     s = _REPR.repr(v)  # bounded: never the repr of a whole (aliased, huge) value
     return s if len(s) <= 80 else s[:77] + "..."
 
@@ -208,11 +210,6 @@ def load_yaml_bounded(text: str, where: str) -> Any:
     return value
 
 
-def _one_line(e: BaseException) -> str:
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    return " ".join(str(msg).split())
-
-
 def _type_ok(v: Any, tp: Any, finite: bool = True) -> Tuple[bool, str]:
     """Whether ``v`` has the annotated type ``tp``, and the type's name for the message.
     ``finite=False``: a float may be infinite (never NaN), as where a method's "off" is inf."""
@@ -257,7 +254,7 @@ def check_section(section: Any, prefix: str = "", finite: bool = True) -> None:
         name, v, tp = f"{prefix}{f.name}", getattr(section, f.name), hints[f.name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(v, tp):
-                raise ConfigError(f"{name}: expected a {tp.__name__} (a mapping of its fields), got {_show(v)}")
+                raise ConfigError(f"{name}: expected a {tp.__name__} (a mapping of its fields), got {brief_repr(v)}")
             continue
         ok, expected = _type_ok(v, tp, finite)
         rng = FIELD_RANGES.get(name)
@@ -266,9 +263,9 @@ def check_section(section: Any, prefix: str = "", finite: bool = True) -> None:
         if not ok:
             if rng is not None:
                 expected += f" {rng.text()}" if not isinstance(v, (tuple, list)) and "list" not in expected else f", each {rng.text()}"
-            raise ConfigError(f"{name}: expected {expected}, got {_show(v)}")
+            raise ConfigError(f"{name}: expected {expected}, got {brief_repr(v)}")
         if isinstance(v, str):
             if choices is None:
                 choices = _choices()
             if name in choices and v not in choices[name]:
-                raise ConfigError(f"{name}: expected one of {choices[name]}, got {_show(v)}")
+                raise ConfigError(f"{name}: expected one of {choices[name]}, got {brief_repr(v)}")

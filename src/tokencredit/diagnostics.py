@@ -27,13 +27,13 @@ from torch import Tensor
 
 from .batch import CreditBatch, CreditInputError
 from .ops import (  # the statistics methods share live in ops (methods never import diagnostics)
-    _check_pair,
-    _stat_dtype,
     check_advantages,
+    check_token_tensor,
     effective_token_ratio,
     masked_fill_zero,
     nonempty_row_mean,
     sign_agreement,
+    stat_dtype,
     weight_gini,
 )
 from .registry import CreditOutput
@@ -75,12 +75,12 @@ def entropy_stats(entropy: Tensor, mask: Tensor, percentiles: Sequence[float] = 
 
     Keys ``mean``, ``std`` and ``p10``-style names (``p50`` for 0.5). All 0 with no valid token.
     """
-    _check_pair(entropy, mask, "entropy")
+    check_token_tensor(entropy, mask, "entropy")
     for q in percentiles:
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"percentiles: expected values in [0, 1], got {q}")
     keys = [f"p{q * 100:g}" for q in percentiles]
-    x = entropy.detach()[mask.bool()].to(_stat_dtype(entropy))
+    x = entropy.detach()[mask.bool()].to(stat_dtype(entropy))
     if x.numel() == 0:
         return {"mean": 0.0, "std": 0.0, **{k: 0.0 for k in keys}}
     out = {"mean": float(x.mean()), "std": float(x.std(unbiased=False))}
@@ -96,8 +96,8 @@ def quadrant_fractions(advantages: Tensor, surprisal: Tensor, mask: Tensor) -> D
     fractions ``pos_high, pos_low, neg_high, neg_low`` summing to 1; all 0 if no valid token
     has A != 0.
     """
-    _check_pair(advantages, mask, "advantages")
-    _check_pair(surprisal, mask, "surprisal")
+    check_token_tensor(advantages, mask, "advantages")
+    check_token_tensor(surprisal, mask, "surprisal")
     mask = mask.bool()
     keys = ("pos_high", "pos_low", "neg_high", "neg_low")
     if not bool(mask.any()):
@@ -119,13 +119,13 @@ def tail_token_fraction(logprobs: Tensor, entropy: Tensor, mask: Tensor, alpha: 
     """Fraction of valid tokens in TACO's tail: r_t = -l_t - H_t + log(alpha) > 0."""
     if not alpha > 0:
         raise ValueError(f"alpha: expected > 0, got {alpha}")
-    _check_pair(logprobs, mask, "logprobs")
-    _check_pair(entropy, mask, "entropy")
+    check_token_tensor(logprobs, mask, "logprobs")
+    check_token_tensor(entropy, mask, "entropy")
     mask = mask.bool()
     n = int(mask.sum())
     if n == 0:
         return 0.0
-    dt = _stat_dtype(logprobs)
+    dt = stat_dtype(logprobs)
     r = -logprobs.detach().to(dt) - entropy.detach().to(dt) + math.log(alpha)
     return int((mask & (r > 0)).sum()) / n
 
@@ -136,9 +136,9 @@ def credit_mass(advantages: Tensor, mask: Tensor) -> Dict[str, float]:
     ``pos`` = sum of A over A > 0 (>= 0), ``neg`` = sum of A over A < 0 (<= 0);
     ``pos_per_token`` / ``neg_per_token`` divide by the number of valid tokens.
     """
-    _check_pair(advantages, mask, "advantages")
+    check_token_tensor(advantages, mask, "advantages")
     mask = mask.bool()
-    a = masked_fill_zero(advantages.detach().to(_stat_dtype(advantages)), mask)
+    a = masked_fill_zero(advantages.detach().to(stat_dtype(advantages)), mask)
     pos = float(a.clamp(min=0).sum())
     neg = float(a.clamp(max=0).sum())
     n = max(int(mask.sum()), 1)
@@ -167,7 +167,7 @@ def credit_diagnostics(
     adv = masked_fill_zero(output.advantages.detach(), mask)
     if output.token_weights is not None:
         w = output.token_weights
-        _check_pair(w, mask, "token_weights")
+        check_token_tensor(w, mask, "token_weights")
         if bool((mask & ~torch.isfinite(w)).any()):
             raise CreditInputError("token_weights: expected finite values on valid positions, got NaN/inf")
         from_weights = 1.0

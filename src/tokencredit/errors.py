@@ -55,9 +55,17 @@ __all__ = [
     "RunFolderWarning",
     "UnknownMethodError",
     "is_disk_full",
+    "one_line",
 ]
 
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message as a user sees it: on one line (runs of white space as one space),
+    a ``KeyError``'s message unquoted."""
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(str(msg).split())
 
 
 # -- settings and run folders -------------------------------------------------------------------

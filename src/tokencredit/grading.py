@@ -27,8 +27,10 @@ from .errors import RewardValueError  # noqa: F401 (defined in errors; importabl
 __all__ = [
     "BUILTINS",
     "RewardValueError",
+    "TRL_EXTRA_KWARGS",
     "answers_match",
     "check_reward",
+    "completion_text",
     "extract_final_answer",
     "math_reward",
     "math_verify_equal",
@@ -271,7 +273,7 @@ def gold_answer(value: Any) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _text(completion: Any) -> str:
+def completion_text(completion: Any) -> str:
     """A completion's text: the string, or the content of a conversational completion's last message."""
     if isinstance(completion, str):
         return completion
@@ -286,11 +288,11 @@ def math_accuracy(completions, answer_column: str = "answer", **kwargs) -> List[
     golds = kwargs.get(answer_column)
     if golds is None:
         raise KeyError(f"built-in reward 'math' reads the column {answer_column!r}, which the rows do not have "
-                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
+                       f"(columns: {sorted(k for k in kwargs if k not in TRL_EXTRA_KWARGS)})")
     out: List[Optional[float]] = []
     for c, g in zip(completions, golds):
         gold = gold_answer(g)
-        out.append(None if gold is None else (1.0 if math_verify_equal(gold, _text(c)) else 0.0))
+        out.append(None if gold is None else (1.0 if math_verify_equal(gold, completion_text(c)) else 0.0))
     return out
 
 
@@ -300,11 +302,11 @@ def numeric_accuracy(completions, answer_column: str = "answer", **kwargs) -> Li
     golds = kwargs.get(answer_column)
     if golds is None:
         raise KeyError(f"built-in reward 'numeric' reads the column {answer_column!r}, which the rows do not have "
-                       f"(columns: {sorted(k for k in kwargs if k not in _TRL_EXTRA_KWARGS)})")
+                       f"(columns: {sorted(k for k in kwargs if k not in TRL_EXTRA_KWARGS)})")
     out: List[Optional[float]] = []
     for c, g in zip(completions, golds):
         gold = gold_answer(g)
-        out.append(None if gold is None else (1.0 if answers_match(extract_final_answer(_text(c)), gold) else 0.0))
+        out.append(None if gold is None else (1.0 if answers_match(extract_final_answer(completion_text(c)), gold) else 0.0))
     return out
 
 
@@ -312,4 +314,4 @@ def numeric_accuracy(completions, answer_column: str = "answer", **kwargs) -> Li
 BUILTINS: Dict[str, Callable[..., List[Optional[float]]]] = {"math": math_accuracy, "numeric": numeric_accuracy}
 
 #: keyword arguments the caller adds to the row's columns (TRL's names)
-_TRL_EXTRA_KWARGS = ("trainer_state", "log_metric", "log_extra")
+TRL_EXTRA_KWARGS = ("trainer_state", "log_metric", "log_extra")

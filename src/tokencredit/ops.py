@@ -25,6 +25,8 @@ __all__ = [
     "row_mean",
     "broadcast_to_tokens",
     "check_advantages",
+    "check_token_tensor",
+    "stat_dtype",
     "weight_gini",
     "effective_token_ratio",
     "nonempty_row_mean",
@@ -115,12 +117,15 @@ def check_advantages(batch: CreditBatch, advantages: Tensor, method: str) -> Non
 # statistics of weights and credit, shared by methods (ARCA, OPPO) and diagnostics
 
 
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    # diagnostics sum over many tokens: float64 where the device has it (MPS does not)
+def stat_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a statistic of ``x`` sums in: float64 (statistics sum over many tokens), float32
+    on a device without it (MPS)."""
     return torch.float32 if x.device.type == "mps" else torch.float64
 
 
-def _check_pair(x: Tensor, mask: Tensor, name: str) -> None:
+def check_token_tensor(x: Tensor, mask: Tensor, name: str) -> None:
+    """Raise :class:`CreditInputError` (naming ``name``) unless ``x`` is a tensor of the mask's
+    [B, T] shape."""
     if not isinstance(x, Tensor) or x.dim() != 2 or tuple(x.shape) != tuple(mask.shape):
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise CreditInputError(f"{name}: expected shape {tuple(mask.shape)} (same as the mask), got {got}")
@@ -129,9 +134,9 @@ def _check_pair(x: Tensor, mask: Tensor, name: str) -> None:
 def _magnitudes(weights: Tensor, mask: Tensor) -> Tensor:
     """|w| in a wide dtype, 0 on padding, each row scaled by its max (both statistics are
     scale-invariant; the scaling keeps w^2 from overflowing or underflowing)."""
-    _check_pair(weights, mask, "weights")
+    check_token_tensor(weights, mask, "weights")
     mask = mask.bool()
-    w = masked_fill_zero(weights.detach().to(_stat_dtype(weights)).abs(), mask)
+    w = masked_fill_zero(weights.detach().to(stat_dtype(weights)).abs(), mask)
     top = w.amax(dim=1, keepdim=True)
     return torch.where(top > 0, w / torch.where(top > 0, top, torch.ones_like(top)), w)
 
@@ -182,7 +187,7 @@ def nonempty_row_mean(values: Tensor, mask: Tensor, empty: float = 0.0) -> float
     rows = mask.bool().any(dim=1)
     if not bool(rows.any()):
         return float(empty)
-    return float(values[rows].to(_stat_dtype(values)).mean())
+    return float(values[rows].to(stat_dtype(values)).mean())
 
 
 def sign_agreement(advantages: Tensor, mask: Tensor, sequence_advantages: Optional[Tensor] = None) -> float:
@@ -192,9 +197,9 @@ def sign_agreement(advantages: Tensor, mask: Tensor, sequence_advantages: Option
     A row whose sequence advantage is 0 counts as disagreeing for each of its nonzero tokens.
     1.0 if no valid token has A_t != 0 (nothing disagrees).
     """
-    _check_pair(advantages, mask, "advantages")
+    check_token_tensor(advantages, mask, "advantages")
     mask = mask.bool()
-    a = masked_fill_zero(advantages.detach().to(_stat_dtype(advantages)), mask)
+    a = masked_fill_zero(advantages.detach().to(stat_dtype(advantages)), mask)
     if sequence_advantages is None:
         seq = a.sum(dim=1)
     else:

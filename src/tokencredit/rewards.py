@@ -62,11 +62,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import RewardFailure, RewardFnError  # noqa: F401 (defined in errors; importable here too)
 from .grading import (
-    _TRL_EXTRA_KWARGS,  # noqa: F401 (the keyword arguments the caller adds)
     BUILTINS,
     RewardValueError,
-    _text,
     check_reward,
+    completion_text,
     gold_answer,  # noqa: F401
     math_accuracy,
     math_reward,
@@ -428,7 +427,7 @@ def _per_sample(fn: Callable, reward_range, completions, examples, **_: Any) -> 
     out = []
     for c, ex in zip(completions, examples):
         try:
-            out.append(check_reward(fn(_text(c), ex), reward_range))
+            out.append(check_reward(fn(completion_text(c), ex), reward_range))
         except BaseException as e:  # noqa: BLE001 - user code; reported, never raised here
             out.append((_FAIL, _describe(e)))
     return out

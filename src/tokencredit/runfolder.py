@@ -600,7 +600,7 @@ class RunFolder:
         there, of the model's shape and dtype (``checkpoint.load_weights``: nothing broadcast,
         nothing left as it was). ``critic``: the checkpoint's value head too (a run without one is
         refused before any model loads). ``state``: that checkpoint's state where the caller has
-        loaded it already (:meth:`load_checkpoint`)."""
+        loaded it already (:meth:`load_checkpoint`); ignored with the initial weights."""
         from .checkpoint import load_checkpoint, load_weights
 
         cfg = self.config()
@@ -612,7 +612,9 @@ class RunFolder:
             ck = Path(checkpoint)
             if not ck.exists():
                 raise self.error(f"--checkpoint: expected a checkpoint folder, got {str(ck)!r} (no such folder)")
-        if ck is not None and state is None:
+        if ck is None:
+            state = None
+        elif state is None:
             state = load_checkpoint(ck)
         if critic and (state is None or state.get("critic") is None):
             from .registry import get_method, list_methods
@@ -626,6 +628,6 @@ class RunFolder:
         if cfg.model.lora:
             model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
         head = ValueHead(int(model.config.hidden_size)) if critic else None
-        if state is not None:
+        if ck is not None:
             load_weights(state, model, head, where=f"checkpoint {str(ck / 'state.pt') if ck.is_dir() else str(ck)!r}")
         return RunModel(cfg, model, tok, ck, state, head)

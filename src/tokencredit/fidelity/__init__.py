@@ -44,9 +44,6 @@ from .base import (  # noqa: F401 (re-exported)
     REFERENCE_TOKENS,
     REFERENCE_TOKENS_CRN,
     FidelityError,
-    _atomic_save,
-    _check_rows,
-    _lengths,
     batch_fingerprint,
     mc_positions,
     response_rows,
@@ -67,14 +64,14 @@ from .estimates import (
     standard_errors,
     token_credit,
 )
-from .metrics import (  # noqa: F401 (re-exported)
+from .metrics import (
     METRICS,
     FidelityConfig,
-    _mixed_groups,
-    _row_scores,
     bootstrap_mean,
     format_table,
     is_constant,
+    mixed_groups,
+    row_scores,
     score,
     spearman,
     spearman_brown,
@@ -82,7 +79,7 @@ from .metrics import (  # noqa: F401 (re-exported)
     trajectory_metrics,
 )
 from .plots import plot_responses
-from .sampling import _prompt_rows, check_policy, sample_batch, sample_continuations  # noqa: F401 (re-exported)
+from .sampling import check_policy, prompt_rows, sample_batch, sample_continuations
 
 __all__ = [
     "CLAIM_SPECS",
@@ -112,9 +109,12 @@ __all__ = [
     "load_estimates",
     "main",
     "mc_positions",
+    "mixed_groups",
     "plot_responses",
+    "prompt_rows",
     "response_rows",
     "rollouts_with_true_credit",
+    "row_scores",
     "sample_batch",
     "sample_continuations",
     "score",

@@ -14,8 +14,8 @@ import torch
 
 from ..errors import EstimatesMismatch, FidelityError  # noqa: F401 (defined in errors; importable here too)
 
-__all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_SPANS_CRN", "REFERENCE_TOKENS", "REFERENCE_TOKENS_CRN", "batch_fingerprint",
-           "mc_positions", "response_rows"]
+__all__ = ["FORMAT", "EstimatesMismatch", "FidelityError", "REFERENCE_EXACT", "REFERENCE_SET", "REFERENCE_SPANS_CRN", "REFERENCE_TOKENS", "REFERENCE_TOKENS_CRN",
+           "atomic_save", "batch_fingerprint", "check_rows", "mc_positions", "response_lengths", "response_rows"]
 
 FORMAT = "tokencredit-fidelity/1"
 
@@ -35,7 +35,8 @@ REFERENCE_EXACT_COMMAND = ("tokencredit fidelity build --task mul1 --exact -o " 
                            + " --prompts 32 --samples 4 --max-new-tokens 3 --temperature 1.0 --threads 1")
 
 
-def _lengths(saved: Dict[str, Any]) -> List[int]:
+def response_lengths(saved: Dict[str, Any]) -> List[int]:
+    """The number of response tokens of every row of a rollouts record (its response mask)."""
     return [int(x) for x in torch.as_tensor(saved["signals"]["response_mask"]).bool().sum(1)]
 
 
@@ -45,19 +46,19 @@ def response_rows(saved: Dict[str, Any]) -> List[List[int]]:
     if ids is None:
         raise FidelityError("ROLLOUTS: no 'response_ids' (saved by the trainer's save_rollouts); cannot continue its prefixes")
     ids = torch.as_tensor(ids)
-    return [ids[i, :n].tolist() for i, n in enumerate(_lengths(saved))]
+    return [ids[i, :n].tolist() for i, n in enumerate(response_lengths(saved))]
 
 
 def batch_fingerprint(saved: Dict[str, Any]) -> str:
     """sha1 of the questions, response tokens and rewards: which batch an estimates file is of."""
     h = hashlib.sha1()
-    for q, row, r in zip(saved.get("questions") or [""] * len(_lengths(saved)), response_rows(saved),
+    for q, row, r in zip(saved.get("questions") or [""] * len(response_lengths(saved)), response_rows(saved),
                          torch.as_tensor(saved["signals"]["rewards"]).float().tolist()):
         h.update(json.dumps([str(q), row, round(float(r), 6)]).encode())
     return h.hexdigest()[:16]
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: Path) -> None:
     """``obj`` into ``path`` through a temporary sibling (fsynced, renamed): a kill leaves the old
     file or the new one. A failed write removes the temporary file; a full disk is one line
     (:class:`~tokencredit.runfolder.DiskFullError`, naming ``path``)."""
@@ -81,7 +82,7 @@ def mc_positions(length: int, stride: int) -> List[int]:
     return list(range(0, max(int(length), 1), int(stride)))
 
 
-def _check_rows(rows: Optional[Sequence[int]], B: int) -> List[int]:
+def check_rows(rows: Optional[Sequence[int]], B: int) -> List[int]:
     """The responses to estimate: all, or ``rows`` if they are distinct indices of the batch."""
     chosen = list(range(B)) if rows is None else [int(b) for b in rows]
     if len(set(chosen)) != len(chosen) or any(not 0 <= b < B for b in chosen):

@@ -14,9 +14,9 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from .base import _lengths, mc_positions
+from .base import mc_positions, response_lengths
 from .estimates import credit_spans, span_sums, span_values, standard_errors
-from .metrics import FidelityConfig, _fmt, _scored_rows, _with_own_critics, bootstrap_mean, top_weights
+from .metrics import FidelityConfig, bootstrap_mean, format_interval, scored_rows, top_weights, with_own_critics
 
 __all__ = ["CLAIM_SPECS", "FIGURE_SPECS", "claims", "format_claims"]
 
@@ -35,7 +35,7 @@ def paired_c_se(est: Dict[str, Any], rows: Sequence[int]) -> torch.Tensor:
     independent); with independent continuations both estimate the same quantity. Unlike
     :func:`standard_errors` it is not smoothed: a span where every continuation pair agrees
     contributes 0."""
-    lengths, stride = _lengths(est["rollouts"]), int(est["settings"]["stride"])
+    lengths, stride = response_lengths(est["rollouts"]), int(est["settings"]["stride"])
     s = est["samples"].double()
     R = torch.as_tensor(est["rollouts"]["signals"]["rewards"]).double()
     M = s.shape[-1]
@@ -82,7 +82,7 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
 
     saved = est["rollouts"]
     sig = saved["signals"]
-    lengths, stride, scored, success = _scored_rows(est)
+    lengths, stride, scored, success = scored_rows(est)
     groups = torch.as_tensor(sig["group_ids"]).tolist()
     V = span_values(est)
     c = {b: credit_spans(V[b]) for b in scored}
@@ -137,7 +137,7 @@ def claims(est: Dict[str, Any], specs: Sequence[str] = CLAIM_SPECS, *, credit_ar
                      "spans_surprisal_above_entropy": spans(*above[True]), "spans_other": spans(*above[False])}
 
     placement = {}
-    for v, _ in _with_own_critics(est, replay(saved, list(specs), credit_args=credit_args).views, credit_args):
+    for v, _ in with_own_critics(est, replay(saved, list(specs), credit_args=credit_args).views, credit_args):
         if v.spec in placement:
             continue
         top, last = [], []
@@ -195,7 +195,7 @@ def format_claims(cl: Dict[str, Any]) -> str:
         out.append("  TACO tail tokens: not counted (the batch has no log-probs and entropy)")
     else:
         def sp_(x):
-            return (f"n {x['n']}, mean c {_fmt(x['mean_c'])}, share c < -{d:g} {x['share_below_minus_delta']:.2f}, "
+            return (f"n {x['n']}, mean c {format_interval(x['mean_c'])}, share c < -{d:g} {x['share_below_minus_delta']:.2f}, "
                     f"> {d:g} {x['share_above_delta']:.2f}")
 
         out += [

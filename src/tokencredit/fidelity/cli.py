@@ -20,11 +20,11 @@ import torch
 
 from ..runfolder import RunFolder, aside_name
 from .base import (REFERENCE_EXACT, REFERENCE_EXACT_COMMAND, REFERENCE_SET, REFERENCE_SPANS_CRN, REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, EstimatesMismatch,
-                   FidelityError, _atomic_save, _check_rows, _lengths)
+                   FidelityError, atomic_save, check_rows, response_lengths)
 from .claims import CLAIM_SPECS, claims, format_claims
 from .estimates import attach_critic, build_estimates, critic_values, load_estimates
 from .exact import exact_estimates
-from .metrics import FidelityConfig, _critic_method, format_table, score
+from .metrics import FidelityConfig, critic_method, format_table, score
 from .plots import plot_responses
 from .sampling import check_policy, sample_batch
 
@@ -201,7 +201,7 @@ def _task_examples(cfg, saved: Dict[str, Any]):
     by_q = {e.question: e for e in list(task.train) + list(task.eval)}
     qs = saved.get("questions") or []
     missing = [q for q in qs if q not in by_q]
-    if missing or len(qs) != len(_lengths(saved)):
+    if missing or len(qs) != len(response_lengths(saved)):
         raise FidelityError(f"ROLLOUTS: {len(missing)} question(s) not in task {cfg.task.name!r} (e.g. {missing[:1]!r}): another task?")
     return task, [by_q[q] for q in qs]
 
@@ -234,7 +234,7 @@ def _build_from_run(a) -> int:
     src = find_rollouts(a.rollouts)
     run = _run_of(src)
     saved = load_rollouts(src)
-    _check_rows(_parse_rows(a.rows), len(_lengths(saved)))  # before any model loads
+    check_rows(_parse_rows(a.rows), len(response_lengths(saved)))  # before any model loads
     step = int(saved.get("step") or 0)
     ck = Path(a.checkpoint) if a.checkpoint else run / "checkpoints" / f"step_{step - 1:08d}"
     if (step > 1 or a.checkpoint) and not ck.exists():
@@ -277,7 +277,7 @@ def _build_from_task(a) -> int:
         log=LogConfig(eval_samples=0, eval_at_start=False, progress=False),
     )
     cfg.validate()
-    _check_rows(_parse_rows(a.rows), a.prompts * a.samples)  # before any model loads
+    check_rows(_parse_rows(a.rows), a.prompts * a.samples)  # before any model loads
     if a.overwrite:
         _start_again(out, task=True)
     trainer = Trainer(cfg)
@@ -324,7 +324,7 @@ def _critic_from_run(a) -> int:
     ck = Path(a.checkpoint) if a.checkpoint else RunFolder(run).latest()
     cfg, model, tok, head = _load_run(run, ck, critic=True)
     pipe = CreditPipeline(cfg.credit, cfg.method_configs())
-    method = _critic_method(pipe.name)
+    method = critic_method(pipe.name)
     if method is None:
         raise FidelityError(f"RUN: {run} trained {pipe.name!r}, which declares no critic; expected a run of {_critic_methods()}")
     from ..registry import get_method
@@ -341,7 +341,7 @@ def _critic_from_run(a) -> int:
               f"from the batch's by {diff:.3f} nats/token")
     est = attach_critic(est, method, values, source)
     out = Path(a.output or a.estimates)
-    _atomic_save(est, out)
+    atomic_save(est, out)
     print(f"{method}: {source}; written to {out}")
     return 0
 
@@ -391,7 +391,7 @@ def _build_exact(a) -> int:
                           temperature=a.temperature, seed=a.seed,
                           policy=f"{name} restricted to the digits and its end token, T = {a.temperature} (exact tier)")
     est["build"]["seconds"] = time.perf_counter() - t0
-    _atomic_save(est, out)
+    atomic_save(est, out)
     print(f"exact estimates written to {a.output} ({est['build']['exact_nodes']} nodes, {est['build']['seconds']:.0f} s); "
           f"score them with: tokencredit fidelity {a.output}")
     return 0

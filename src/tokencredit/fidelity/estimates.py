@@ -20,8 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import FORMAT, EstimatesMismatch, FidelityError, _atomic_save, _check_rows, _lengths, batch_fingerprint, mc_positions, response_rows
-from .sampling import _batch_inputs, _prompt_rows, check_policy, sample_continuations
+from .base import (FORMAT, EstimatesMismatch, FidelityError, atomic_save, batch_fingerprint, check_rows, mc_positions, response_lengths,
+                   response_rows)
+from .sampling import batch_inputs, check_policy, prompt_rows, sample_continuations
 
 __all__ = ["attach_critic", "build_estimates", "complete_rows", "credit_spans", "critic_values", "is_estimates_file",
            "load_estimates", "rollouts_with_true_credit", "span_sums", "span_values", "standard_errors", "token_credit"]
@@ -43,7 +44,7 @@ def critic_values(model, head, tokenizer, saved: Dict[str, Any], *, sigmoid: boo
     was = model.training
     model.eval()
     try:
-        for s0, ids, att, P, rs in _batch_inputs(saved, tokenizer, chunk):
+        for s0, ids, att, P, rs in batch_inputs(saved, tokenizer, chunk):
             h, _ = forward_response(model, ids.to(device), att.to(device), P, hidden=True)
             v = values_from_hidden(head, h, sigmoid=sigmoid).float().cpu()
             for i, r in enumerate(rs):
@@ -56,7 +57,7 @@ def critic_values(model, head, tokenizer, saved: Dict[str, Any], *, sigmoid: boo
 def attach_critic(est: Dict[str, Any], method: str, values: torch.Tensor, source: str) -> Dict[str, Any]:
     """``est`` with ``values`` [B, T+1] as the critic ``method`` (e.g. ``gae``) is scored with
     (``score`` replays specs with that estimator on these values instead of the batch's own)."""
-    B = len(_lengths(est["rollouts"]))
+    B = len(response_lengths(est["rollouts"]))
     T = int(torch.as_tensor(est["rollouts"]["signals"]["response_mask"]).shape[1])
     v = torch.as_tensor(values).float()
     if tuple(v.shape) != (B, T + 1) or not torch.isfinite(v).all():
@@ -97,7 +98,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     fp = batch_fingerprint(saved)
     settings = {"M": int(M), "stride": int(stride), "temperature": float(temperature), "top_p": float(top_p),
                 "max_new_tokens": int(max_new_tokens), "seed": int(seed), **({"crn": True} if crn else {})}
-    chosen = _check_rows(rows, len(_lengths(saved)))
+    chosen = check_rows(rows, len(response_lengths(saved)))
     rows = response_rows(saved)
     B = len(rows)
     T = max([len(r) for r in rows] + [1])
@@ -122,7 +123,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
         lambda prefixes, M, budgets, keys, share=True: sampler(prefixes, M, budgets, share=share))
     if check:
         state["build"]["policy_logprob_diff"] = check_policy(model, tokenizer, saved, temperature)
-    prompts = _prompt_rows(saved, tokenizer)
+    prompts = prompt_rows(saved, tokenizer)
     samples, cont_tokens = state["samples"], state["cont_tokens"]
     # (rank among the chosen rows, row, position) of every position still to estimate
     todo3 = [(k, b, t) for k, b in enumerate(chosen) for t in mc_positions(len(rows[b]), stride) if torch.isnan(samples[b, t]).any()]
@@ -186,7 +187,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
             sec_run += dt
             state["build"]["seconds"] = seconds0 + time.perf_counter() - t_start
             state["build"]["cont_tokens"] += n_gen
-            _atomic_save({k: v for k, v in state.items()}, out)
+            atomic_save({k: v for k, v in state.items()}, out)
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{tok_run / max(sec_run, 1e-9):.0f}")
             if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
@@ -194,7 +195,7 @@ def build_estimates(saved: Dict[str, Any], model, tokenizer, reward: Callable[[s
     finally:
         bar.close()
         if not out.exists():
-            _atomic_save(state, out)
+            atomic_save(state, out)
     return state
 
 
@@ -219,7 +220,7 @@ def load_estimates(path: str | Path, *, require_complete: bool = True) -> Dict[s
     fp = batch_fingerprint(d["rollouts"])
     if fp != d["fingerprint"]:
         raise FidelityError(f"ESTIMATES: {p}: the estimates are of another batch (fingerprint {d['fingerprint']}) than the rollouts it holds ({fp})")
-    B, T = len(_lengths(d["rollouts"])), max(_lengths(d["rollouts"]) + [1])
+    B, T = len(response_lengths(d["rollouts"])), max(response_lengths(d["rollouts"]) + [1])
     s = d["samples"]
     if not torch.is_tensor(s) or s.dim() != 3 or s.shape[0] != B or s.shape[1] < T:
         raise FidelityError(f"ESTIMATES: {p}: samples expected [B={B}, >={T}, M], got {tuple(s.shape) if torch.is_tensor(s) else type(s).__name__}")
@@ -251,7 +252,7 @@ def rollouts_with_true_credit(est: Dict[str, Any]) -> Dict[str, Any]:
 
 def complete_rows(est: Dict[str, Any]) -> torch.Tensor:
     """[B] bool: every estimated position of the row has all M samples."""
-    lengths = _lengths(est["rollouts"])
+    lengths = response_lengths(est["rollouts"])
     stride = int(est["settings"]["stride"])
     s = est["samples"]
     return torch.tensor([bool(not torch.isnan(s[b, mc_positions(n, stride)]).any()) for b, n in enumerate(lengths)])
@@ -260,7 +261,7 @@ def complete_rows(est: Dict[str, Any]) -> torch.Tensor:
 def span_values(est: Dict[str, Any], which: str = "all") -> List[torch.Tensor]:
     """Per row: V at the span boundaries ``[V(h_p0), V(h_p1), ..., V(h_L) = R]`` (float64),
     from all continuations (``"all"``) or the even / odd halves (``"even"`` / ``"odd"``)."""
-    lengths = _lengths(est["rollouts"])
+    lengths = response_lengths(est["rollouts"])
     stride = int(est["settings"]["stride"])
     s = est["samples"].double()
     if which == "even":
@@ -277,7 +278,7 @@ def standard_errors(est: Dict[str, Any]) -> List[torch.Tensor]:
     """Per row: the standard error of each estimated ``V(h_p)``. Rewards of 0 / 1 (success):
     the binomial ``sqrt(p (1 - p) / M)`` with the Jeffreys-smoothed ``p = (k + 1/2) / (M + 1)``,
     so that 0 or M successes out of M do not claim an SE of 0; other rewards: the sample std / sqrt(M)."""
-    lengths = _lengths(est["rollouts"])
+    lengths = response_lengths(est["rollouts"])
     stride = int(est["settings"]["stride"])
     s = est["samples"].double()
     M = s.shape[-1]
@@ -310,7 +311,7 @@ def token_credit(est: Dict[str, Any]) -> torch.Tensor:
     out = torch.zeros(mask.shape, dtype=torch.float32)
     stride = int(est["settings"]["stride"])
     done = complete_rows(est)
-    for b, (v, n) in enumerate(zip(span_values(est), _lengths(est["rollouts"]))):
+    for b, (v, n) in enumerate(zip(span_values(est), response_lengths(est["rollouts"]))):
         if not done[b]:
             continue
         c = credit_spans(v)

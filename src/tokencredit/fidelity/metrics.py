@@ -18,11 +18,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import FidelityError, _lengths
+from .base import FidelityError, response_lengths
 from .estimates import complete_rows, credit_spans, span_sums, span_values, standard_errors
 
-__all__ = ["METRICS", "FidelityConfig", "bootstrap_mean", "format_table", "is_constant", "score", "spearman",
-           "spearman_brown", "top_weights", "trajectory_metrics"]
+__all__ = ["METRICS", "FidelityConfig", "bootstrap_mean", "critic_method", "format_interval", "format_table", "is_constant",
+           "mixed_groups", "row_scores", "score", "scored_rows", "spearman", "spearman_brown", "top_weights", "trajectory_metrics",
+           "with_own_critics"]
 
 
 @dataclass
@@ -156,7 +157,7 @@ def is_constant(adv_row: torch.Tensor, length: int) -> bool:
     return bool(a.numel() == 0 or float(a.max() - a.min()) <= 1e-9 * max(1.0, float(a.abs().max())))
 
 
-def _row_scores(pairs: Sequence[Tuple], cfg: FidelityConfig, clusters: Optional[Sequence[int]] = None) -> Dict[str, Dict[str, float]]:
+def row_scores(pairs: Sequence[Tuple], cfg: FidelityConfig, clusters: Optional[Sequence[int]] = None) -> Dict[str, Dict[str, float]]:
     """``pairs``: (a, c, success) or (a, c, success, constant); a constant credit has no rank.
     ``clusters``: the prompt group of each pair (the bootstrap resamples groups)."""
     per = []
@@ -168,10 +169,10 @@ def _row_scores(pairs: Sequence[Tuple], cfg: FidelityConfig, clusters: Optional[
     return {k: bootstrap_mean([p[k] for p in per], cfg, clusters) for k in METRICS}
 
 
-def _scored_rows(est: Dict[str, Any]) -> Tuple[List[int], int, List[int], List[bool]]:
+def scored_rows(est: Dict[str, Any]) -> Tuple[List[int], int, List[int], List[bool]]:
     """Response lengths, the stride, the complete non-empty rows (what is scored) and, per row,
     whether it succeeded (reward 1)."""
-    lengths = _lengths(est["rollouts"])
+    lengths = response_lengths(est["rollouts"])
     done = complete_rows(est)
     rows = [b for b in range(len(lengths)) if done[b] and lengths[b] > 0]
     if not rows:
@@ -180,7 +181,7 @@ def _scored_rows(est: Dict[str, Any]) -> Tuple[List[int], int, List[int], List[b
     return lengths, int(est["settings"]["stride"]), rows, [bool(r >= 1.0 - 1e-6) for r in R.tolist()]
 
 
-def _mixed_groups(saved: Dict[str, Any], rows: Sequence[int]) -> List[int]:
+def mixed_groups(saved: Dict[str, Any], rows: Sequence[int]) -> List[int]:
     """The rows whose prompt group has both outcomes (where group-relative credit is not 0)."""
     R = torch.as_tensor(saved["signals"]["rewards"]).double()
     g = torch.as_tensor(saved["signals"]["group_ids"])
@@ -208,9 +209,9 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     from ..records import replay
 
     saved = est["rollouts"]
-    lengths, stride, rows_idx, success = _scored_rows(est)
+    lengths, stride, rows_idx, success = scored_rows(est)
     groups = torch.as_tensor(saved["signals"]["group_ids"]).tolist()
-    mixed = _mixed_groups(saved, rows_idx)
+    mixed = mixed_groups(saved, rows_idx)
     V = span_values(est)
     c = {b: credit_spans(V[b]) for b in rows_idx}
     Ve, Vo = span_values(est, "even"), span_values(est, "odd")
@@ -218,11 +219,11 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     critic_note = None
     if saved["signals"].get("values") is not None:
         critic_note = f"critic of the {saved.get('credit', '?')} run (step {saved.get('step', '?')}), saved with its rollouts"
-    views = _with_own_critics(est, insp.views, credit_args)
+    views = with_own_critics(est, insp.views, credit_args)
     out_rows = []
 
     def add(label, kind, pairs, rows, note=None):
-        out_rows.append({"method": label, "kind": kind, "note": note, **_row_scores(pairs, cfg, [groups[b] for b in rows])})
+        out_rows.append({"method": label, "kind": kind, "note": note, **row_scores(pairs, cfg, [groups[b] for b in rows])})
 
     half = est["samples"].shape[-1] // 2
     add("true credit (MC)", "reference", [(c[b], c[b], success[b]) for b in rows_idx], rows_idx, "c against itself")
@@ -235,7 +236,7 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     for v, note in views:
         add(v.label, v.source, [(span_sums(v.advantages[b], lengths[b], stride), c[b], success[b],
                                  is_constant(v.advantages[b], lengths[b])) for b in rows_idx], rows_idx,
-            note if note is not None else (critic_note if _critic_method(v.spec) else None))
+            note if note is not None else (critic_note if critic_method(v.spec) else None))
     se = torch.cat([s for b, s in enumerate(standard_errors(est)) if b in set(rows_idx)])
     cs = torch.cat([c[b] for b in rows_idx])
     ref = {r["method"]: r for r in out_rows}
@@ -261,7 +262,7 @@ def score(est: Dict[str, Any], specs: Optional[Sequence[str]] = None, *, credit_
     }
 
 
-def _critic_method(spec: str) -> Optional[str]:
+def critic_method(spec: str) -> Optional[str]:
     """The method of ``spec`` that declares a critic (its estimator: gae, pact), or None."""
     from ..spec import parse_spec
 
@@ -272,7 +273,7 @@ def _critic_method(spec: str) -> Optional[str]:
     return next((m.name for m in methods if m.critic is not None), None)
 
 
-def _with_own_critics(est: Dict[str, Any], views, credit_args: Sequence[str]):
+def with_own_critics(est: Dict[str, Any], views, credit_args: Sequence[str]):
     """``(view, note)`` per replayed view: a spec whose critic method has a critic of its own in
     ``est["critics"]`` (:func:`attach_critic`) is replayed again on those values; the others keep
     the batch's own (note None)."""
@@ -281,7 +282,7 @@ def _with_own_critics(est: Dict[str, Any], views, credit_args: Sequence[str]):
     critics = est.get("critics") or {}
     out = []
     for v in views:
-        m = _critic_method(v.spec) if v.source == "replayed" else None
+        m = critic_method(v.spec) if v.source == "replayed" else None
         if m in critics:
             saved = dict(est["rollouts"], signals=dict(est["rollouts"]["signals"], values=critics[m]["values"]))
             again = replay(saved, [v.spec], credit_args=credit_args, include_saved=False).views
@@ -292,7 +293,8 @@ def _with_own_critics(est: Dict[str, Any], views, credit_args: Sequence[str]):
     return out
 
 
-def _fmt(m: Dict[str, float]) -> str:
+def format_interval(m: Dict[str, float]) -> str:
+    """A score with its interval as the tables print it: ``"mean [lo, hi]"``, "–" with no rows."""
     if not m["n"]:
         return "–"
     return f"{m['mean']:.3f} [{m['lo']:.2f}, {m['hi']:.2f}]"
@@ -317,7 +319,7 @@ def format_table(res: Dict[str, Any]) -> str:
     lines.append(head[0].ljust(width) + head[1].rjust(3) + "  " + "".join(h.ljust(22) for h in head[2:]))
     for r in res["rows"]:
         lines.append(r["method"].ljust(width) + str(r["sign_agreement"]["n"]).rjust(3) + "  "
-                     + "".join(_fmt(r[k]).ljust(22) for k in METRICS) + (f"  ({r['note']})" if r.get("note") else ""))
+                     + "".join(format_interval(r[k]).ljust(22) for k in METRICS) + (f"  ({r['note']})" if r.get("note") else ""))
     for sk in res["skipped"]:
         why = ("missing " + ", ".join(sk["missing"])) if sk["missing"] else sk["error"]
         lines.append(f"not scored: {sk['spec']} ({why})")

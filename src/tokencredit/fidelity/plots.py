@@ -8,10 +8,10 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from .base import _lengths
+from .base import response_lengths
 from .claims import FIGURE_SPECS
 from .estimates import complete_rows, credit_spans, span_values, token_credit
-from .metrics import _with_own_critics
+from .metrics import with_own_critics
 
 __all__ = ["plot_responses"]
 
@@ -28,7 +28,7 @@ def plot_responses(est: Dict[str, Any], path: str | Path, specs: Sequence[str] =
     from ..records import replay
 
     saved = est["rollouts"]
-    lengths = _lengths(saved)
+    lengths = response_lengths(saved)
     done = complete_rows(est)
     R = torch.as_tensor(saved["signals"]["rewards"]).float()
     # the complete rows with the largest true-credit range: one success and one failure first
@@ -37,7 +37,7 @@ def plot_responses(est: Dict[str, Any], path: str | Path, specs: Sequence[str] =
     pick = [b for b in pick if b is not None]
     pick += [b for b in cands if b not in pick][: max(0, n - len(pick))]
     c = token_credit(est)
-    views = [v for v, _ in _with_own_critics(est, replay(saved, list(specs), credit_args=credit_args).views, credit_args)
+    views = [v for v, _ in with_own_critics(est, replay(saved, list(specs), credit_args=credit_args).views, credit_args)
              if v.source == "replayed"]
     fig, axes = plt.subplots(len(pick), 1, figsize=(14, 3.2 * len(pick)), squeeze=False)
     for ax, b in zip(axes[:, 0], pick):

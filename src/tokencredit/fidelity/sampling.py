@@ -13,7 +13,7 @@ import torch
 
 from .base import FidelityError, response_rows
 
-__all__ = ["check_policy", "sample_batch", "sample_continuations"]
+__all__ = ["batch_inputs", "check_policy", "prompt_rows", "sample_batch", "sample_continuations"]
 
 
 def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M: int, budgets: Sequence[int], *,
@@ -109,7 +109,7 @@ def check_policy(model, tokenizer, saved: Dict[str, Any], temperature: float, *,
     model.eval()
     try:
         with torch.no_grad():
-            for s0, ids, att, P, rs in _batch_inputs(saved, tokenizer, 16):
+            for s0, ids, att, P, rs in batch_inputs(saved, tokenizer, 16):
                 _, logits = forward_response(model, ids.to(device), att.to(device), P)
                 lp = token_signals(logits, ids[:, P:].to(device), temperature=temperature if temperature > 0 else 1.0,
                                    want=("logprobs",))["logprobs"].cpu()
@@ -124,11 +124,11 @@ def check_policy(model, tokenizer, saved: Dict[str, Any], temperature: float, *,
     return d
 
 
-def _batch_inputs(saved: Dict[str, Any], tokenizer, chunk: int):
+def batch_inputs(saved: Dict[str, Any], tokenizer, chunk: int):
     """The saved batch as model inputs, ``chunk`` rows at a time: yields ``(first row, input_ids,
     attention_mask, P, response rows)`` with left-padded prompts of width P, then the responses."""
     rows = response_rows(saved)
-    prompts = _prompt_rows(saved, tokenizer)
+    prompts = prompt_rows(saved, tokenizer)
     pad = int(tokenizer.pad_token_id)
     for s in range(0, len(rows), chunk):
         ps, rs = prompts[s: s + chunk], rows[s: s + chunk]
@@ -143,7 +143,7 @@ def _batch_inputs(saved: Dict[str, Any], tokenizer, chunk: int):
         yield s, ids, att, P, rs
 
 
-def _prompt_rows(saved: Dict[str, Any], tokenizer) -> List[List[int]]:
+def prompt_rows(saved: Dict[str, Any], tokenizer) -> List[List[int]]:
     """Prompt token ids per row: saved ``prompt_ids`` if present, else the chat template of the
     saved messages (or questions), as :class:`~tokencredit.rollout.HFRollout` builds them."""
     if saved.get("prompt_ids") is not None:

@@ -27,14 +27,14 @@ from torch import Tensor
 
 from .aggregation import aggregate, check_agg_mode
 from .policy import (
-    _check_number,
-    _make_config,
-    _mean,
-    _prepare,
-    _ratio_metrics,
     check_is_level,
+    check_number,
     importance_log_ratio,
+    loss_config,
+    prepare_inputs,
+    ratio_metrics,
     register_policy_loss,
+    valid_mean,
 )
 
 __all__ = ["CISPOLossConfig", "cispo_loss"]
@@ -50,11 +50,11 @@ class CISPOLossConfig:
     importance_sampling_level: str = "token"  # TRL's option: "sequence" weights by GSPO's sequence ratio
 
     def __post_init__(self):
-        _check_number("cispo", "epsilon_high", self.epsilon_high, low=1, expected="a number >= 1 (a cap on the ratio)")
+        check_number("cispo", "epsilon_high", self.epsilon_high, low=1, expected="a number >= 1 (a cap on the ratio)")
         if self.epsilon_low is not None:
-            _check_number("cispo", "epsilon_low", self.epsilon_low, low=0, high=1, high_open=True,
+            check_number("cispo", "epsilon_low", self.epsilon_low, low=0, high=1, high_open=True,
                           expected="None or a number in [0, 1)")
-        _check_number("cispo", "log_ratio_clamp", self.log_ratio_clamp, low=0, low_open=True, expected="a number > 0")
+        check_number("cispo", "log_ratio_clamp", self.log_ratio_clamp, low=0, low_open=True, expected="a number > 0")
         check_is_level("cispo", self.importance_sampling_level)
         check_agg_mode(self.agg_mode, self.norm_constant)
 
@@ -67,8 +67,8 @@ class CISPOLossConfig:
 )
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, config: Optional[CISPOLossConfig] = None,
                loss_weights=None) -> Tuple[Tensor, Dict[str, float]]:
-    cfg = _make_config("cispo", CISPOLossConfig, config)
-    mask, lp, old, adv, w = _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights)
+    cfg = loss_config("cispo", CISPOLossConfig, config)
+    mask, lp, old, adv, w = prepare_inputs(logprobs, old_logprobs, advantages, response_mask, loss_weights)
     log_ratio = importance_log_ratio(lp, old, mask, cfg.importance_sampling_level, cfg.log_ratio_clamp)
     ratio = log_ratio.exp()
     low = 1.0 - cfg.epsilon_low if cfg.epsilon_low is not None else None
@@ -86,7 +86,7 @@ def cispo_loss(logprobs, old_logprobs, advantages, response_mask, config: Option
         metrics = {
             "cispo/clip_frac_high": int(high.sum()) / n,
             "cispo/clip_frac": int((high | below).sum()) / n,
-            "cispo/weight_mean": _mean(weight, mask),
-            **_ratio_metrics("cispo", log_ratio, ratio, mask),
+            "cispo/weight_mean": valid_mean(weight, mask),
+            **ratio_metrics("cispo", log_ratio, ratio, mask),
         }
     return loss, metrics

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .aggregation import aggregate, check_agg_mode
-from .policy import _check_number, _make_config, _mean, _prepare, _ratio_metrics, register_policy_loss
+from .policy import check_number, loss_config, prepare_inputs, ratio_metrics, register_policy_loss, valid_mean
 
 __all__ = ["ClipCovLossConfig", "KLCovLossConfig", "clip_cov_loss", "covariance", "kl_cov_loss"]
 
@@ -51,7 +51,7 @@ def covariance(adv: Tensor, lp: Tensor, mask: Tensor) -> Tensor:
 
 
 def _check_ratio(owner: str, field: str, v) -> None:
-    _check_number(owner, field, v, low=0, low_open=True, high=1, expected="a number in (0, 1]")
+    check_number(owner, field, v, low=0, low_open=True, high=1, expected="a number in (0, 1]")
 
 
 # -- clip_cov --------------------------------------------------------------------------------
@@ -68,11 +68,11 @@ class ClipCovLossConfig:
     norm_constant: Optional[float] = None  # only for seq-mean-token-sum-norm
 
     def __post_init__(self):
-        _check_number("clip_cov", "clip_low", self.clip_low, low=0, high=1, high_open=True, expected="a number in [0, 1)")
-        _check_number("clip_cov", "clip_high", self.clip_high, low=0, expected="a number >= 0")
+        check_number("clip_cov", "clip_low", self.clip_low, low=0, high=1, high_open=True, expected="a number in [0, 1)")
+        check_number("clip_cov", "clip_high", self.clip_high, low=0, expected="a number >= 0")
         _check_ratio("clip_cov", "clip_cov_ratio", self.clip_cov_ratio)
-        _check_number("clip_cov", "clip_cov_lb", self.clip_cov_lb, expected="a number")
-        _check_number("clip_cov", "clip_cov_ub", self.clip_cov_ub, low=self.clip_cov_lb, low_open=True,
+        check_number("clip_cov", "clip_cov_lb", self.clip_cov_lb, expected="a number")
+        check_number("clip_cov", "clip_cov_ub", self.clip_cov_ub, low=self.clip_cov_lb, low_open=True,
                       expected=f"a number > clip_cov_lb ({self.clip_cov_lb})")
         check_agg_mode(self.agg_mode, self.norm_constant)
 
@@ -85,8 +85,8 @@ class ClipCovLossConfig:
 )
 def clip_cov_loss(logprobs, old_logprobs, advantages, response_mask, config: Optional[ClipCovLossConfig] = None,
                   loss_weights=None, generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Dict[str, float]]:
-    cfg = _make_config("clip_cov", ClipCovLossConfig, config)
-    mask, lp, old, adv, w = _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights)
+    cfg = loss_config("clip_cov", ClipCovLossConfig, config)
+    mask, lp, old, adv, w = prepare_inputs(logprobs, old_logprobs, advantages, response_mask, loss_weights)
     log_ratio = lp - old
     ratio = log_ratio.exp()
     unclipped = -adv * ratio
@@ -112,7 +112,7 @@ def clip_cov_loss(logprobs, old_logprobs, advantages, response_mask, config: Opt
             "clip_cov/band_frac": int(band.sum()) / n,
             "clip_cov/clip_frac": int(held_by_clip.sum()) / n,
             "clip_cov/cov_max": float(cov[mask].max()) if bool(mask.any()) else 0.0,
-            **_ratio_metrics("clip_cov", log_ratio, ratio, mask),
+            **ratio_metrics("clip_cov", log_ratio, ratio, mask),
         }
     return loss, metrics
 
@@ -129,7 +129,7 @@ class KLCovLossConfig:
 
     def __post_init__(self):
         _check_ratio("kl_cov", "kl_cov_ratio", self.kl_cov_ratio)
-        _check_number("kl_cov", "ppo_kl_coef", self.ppo_kl_coef, low=0, expected="a number >= 0")
+        check_number("kl_cov", "ppo_kl_coef", self.ppo_kl_coef, low=0, expected="a number >= 0")
         check_agg_mode(self.agg_mode, self.norm_constant)
 
 
@@ -141,8 +141,8 @@ class KLCovLossConfig:
 )
 def kl_cov_loss(logprobs, old_logprobs, advantages, response_mask, config: Optional[KLCovLossConfig] = None,
                 loss_weights=None) -> Tuple[Tensor, Dict[str, float]]:
-    cfg = _make_config("kl_cov", KLCovLossConfig, config)
-    mask, lp, old, adv, w = _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights)
+    cfg = loss_config("kl_cov", KLCovLossConfig, config)
+    mask, lp, old, adv, w = prepare_inputs(logprobs, old_logprobs, advantages, response_mask, loss_weights)
     log_ratio = lp - old
     ratio = log_ratio.exp()
     surrogate = -adv * ratio
@@ -161,8 +161,8 @@ def kl_cov_loss(logprobs, old_logprobs, advantages, response_mask, config: Optio
     with torch.no_grad():
         metrics = {
             "kl_cov/penalised_frac": int(top.sum()) / max(n_valid, 1),
-            "kl_cov/abs_kl": _mean(log_ratio.abs(), mask),  # verl's actor/ppo_kl for kl_cov
+            "kl_cov/abs_kl": valid_mean(log_ratio.abs(), mask),  # verl's actor/ppo_kl for kl_cov
             "kl_cov/cov_max": float(cov[mask].max()) if n_valid else 0.0,
-            **_ratio_metrics("kl_cov", log_ratio, ratio, mask),
+            **ratio_metrics("kl_cov", log_ratio, ratio, mask),
         }
     return loss, metrics

@@ -57,13 +57,20 @@ __all__ = [
     "sapo_loss",
     "IS_LEVELS",
     "importance_log_ratio",
+    "check_number",
+    "loss_config",
+    "prepare_inputs",
+    "ratio_metrics",
+    "valid_mean",
 ]
 
 
 # -- registry ------------------------------------------------------------------------------
 
 
-def _make_config(name: str, cls: type, config: Any) -> Any:
+def loss_config(name: str, cls: type, config: Any) -> Any:
+    """The config of loss ``name``: ``cls()`` for None, ``config`` itself, or ``cls(**config)`` for
+    a dict (an unknown key is one line naming the loss and the keys it has)."""
     if config is None:
         return cls()
     if isinstance(config, cls):
@@ -88,7 +95,7 @@ class PolicyLossInfo:
     summary: str
 
     def make_config(self, config: Any = None) -> Any:
-        return _make_config(self.name, self.config_cls, config)
+        return loss_config(self.name, self.config_cls, config)
 
     def __call__(self, logprobs, old_logprobs, advantages, response_mask, config=None, loss_weights=None):
         return self.fn(logprobs, old_logprobs, advantages, response_mask, self.make_config(config),
@@ -129,7 +136,7 @@ def list_policy_losses() -> list:
 # -- shared pieces -------------------------------------------------------------------------
 
 
-def _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights):
+def prepare_inputs(logprobs, old_logprobs, advantages, response_mask, loss_weights):
     """Check shapes and finiteness; return the mask and the inputs cleaned of padding."""
     if not isinstance(logprobs, Tensor) or logprobs.dim() != 2:
         got = tuple(logprobs.shape) if isinstance(logprobs, Tensor) else type(logprobs).__name__
@@ -158,26 +165,32 @@ def _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights):
     return mask, lp, old, adv, w
 
 
-def _mean(x: Tensor, mask: Tensor) -> float:
+def valid_mean(x: Tensor, mask: Tensor) -> float:
+    """The mean of ``x`` over the valid tokens, in float64, as a number (0 where none is valid):
+    a loss's logged metric."""
     n = int(mask.sum())
     return float(torch.where(mask, x.to(torch.float64), 0.0).sum()) / n if n else 0.0
 
 
-def _ratio_metrics(prefix: str, log_ratio: Tensor, ratio: Tensor, mask: Tensor) -> Dict[str, float]:
+def ratio_metrics(prefix: str, log_ratio: Tensor, ratio: Tensor, mask: Tensor) -> Dict[str, float]:
+    """The importance ratio's metrics every policy loss logs under ``prefix``: the KL of the old
+    policy to the new (k1 and k3 estimates), and the ratio's mean, max and min."""
     lr, r = log_ratio.detach(), ratio.detach()
     any_valid = bool(mask.any())
     return {
         # k1 estimate of KL(old || new) on old-policy samples (verl's ppo_kl)
-        f"{prefix}/ppo_kl": _mean(-lr, mask),
+        f"{prefix}/ppo_kl": valid_mean(-lr, mask),
         # k3 estimate of the same KL: non-negative, lower variance
-        f"{prefix}/approx_kl": _mean(r - 1.0 - lr, mask),
-        f"{prefix}/ratio_mean": _mean(r, mask),
+        f"{prefix}/approx_kl": valid_mean(r - 1.0 - lr, mask),
+        f"{prefix}/ratio_mean": valid_mean(r, mask),
         f"{prefix}/ratio_max": float(r[mask].max()) if any_valid else 0.0,
         f"{prefix}/ratio_min": float(r[mask].min()) if any_valid else 0.0,
     }
 
 
-def _check_number(owner: str, field: str, v, *, low=None, low_open=False, high=None, high_open=False, expected: str):
+def check_number(owner: str, field: str, v, *, low=None, low_open=False, high=None, high_open=False, expected: str):
+    """Raise ``ValueError`` (``"<owner> <field>: expected <expected>, got <v>"``) unless ``v`` is a
+    finite real number (not a bool) within the bounds (``low`` / ``high``, open or closed)."""
     ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
     if ok and low is not None:
         ok = v > low if low_open else v >= low
@@ -225,12 +238,12 @@ class PPOLossConfig:
 
     def __post_init__(self):
         check_is_level("ppo", self.importance_sampling_level)
-        _check_number("ppo", "clip_low", self.clip_low, low=0, high=1, high_open=True, expected="a number in [0, 1)")
-        _check_number("ppo", "clip_high", self.clip_high, low=0, expected="a number >= 0")
+        check_number("ppo", "clip_low", self.clip_low, low=0, high=1, high_open=True, expected="a number in [0, 1)")
+        check_number("ppo", "clip_high", self.clip_high, low=0, expected="a number >= 0")
         if self.dual_clip is not None:
             # c > 1 keeps the cap above the clipped loss at r = 1 (verl asserts the same)
-            _check_number("ppo", "dual_clip", self.dual_clip, low=1, low_open=True, expected="None or a number > 1")
-        _check_number("ppo", "log_ratio_clamp", self.log_ratio_clamp, low=0, low_open=True, expected="a number > 0")
+            check_number("ppo", "dual_clip", self.dual_clip, low=1, low_open=True, expected="None or a number > 1")
+        check_number("ppo", "log_ratio_clamp", self.log_ratio_clamp, low=0, low_open=True, expected="a number > 0")
         check_agg_mode(self.agg_mode, self.norm_constant)
 
 
@@ -242,8 +255,8 @@ class PPOLossConfig:
 )
 def ppo_loss(logprobs, old_logprobs, advantages, response_mask, config: Optional[PPOLossConfig] = None,
              loss_weights=None) -> Tuple[Tensor, Dict[str, float]]:
-    cfg = _make_config("ppo", PPOLossConfig, config)
-    mask, lp, old, adv, w = _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights)
+    cfg = loss_config("ppo", PPOLossConfig, config)
+    mask, lp, old, adv, w = prepare_inputs(logprobs, old_logprobs, advantages, response_mask, loss_weights)
     log_ratio = importance_log_ratio(lp, old, mask, cfg.importance_sampling_level, cfg.log_ratio_clamp)
     ratio = log_ratio.exp()
     unclipped = -adv * ratio
@@ -268,7 +281,7 @@ def ppo_loss(logprobs, old_logprobs, advantages, response_mask, config: Optional
             "ppo/clip_frac_low": int(low.sum()) / n,
             "ppo/clip_frac": int((high | low).sum()) / n,
             "ppo/dual_clip_frac": int(dual.sum()) / n,
-            **_ratio_metrics("ppo", log_ratio, ratio, mask),
+            **ratio_metrics("ppo", log_ratio, ratio, mask),
         }
     return loss, metrics
 
@@ -285,9 +298,9 @@ class SAPOLossConfig:
     log_ratio_clamp: float = 20.0  # verl clamps l - l_old to [-20, 20] before exp
 
     def __post_init__(self):
-        _check_number("sapo", "tau_pos", self.tau_pos, low=0, low_open=True, expected="a number > 0")
-        _check_number("sapo", "tau_neg", self.tau_neg, low=0, low_open=True, expected="a number > 0")
-        _check_number("sapo", "log_ratio_clamp", self.log_ratio_clamp, low=0, low_open=True, expected="a number > 0")
+        check_number("sapo", "tau_pos", self.tau_pos, low=0, low_open=True, expected="a number > 0")
+        check_number("sapo", "tau_neg", self.tau_neg, low=0, low_open=True, expected="a number > 0")
+        check_number("sapo", "log_ratio_clamp", self.log_ratio_clamp, low=0, low_open=True, expected="a number > 0")
         check_agg_mode(self.agg_mode, self.norm_constant)
 
 
@@ -299,8 +312,8 @@ class SAPOLossConfig:
 )
 def sapo_loss(logprobs, old_logprobs, advantages, response_mask, config: Optional[SAPOLossConfig] = None,
               loss_weights=None) -> Tuple[Tensor, Dict[str, float]]:
-    cfg = _make_config("sapo", SAPOLossConfig, config)
-    mask, lp, old, adv, w = _prepare(logprobs, old_logprobs, advantages, response_mask, loss_weights)
+    cfg = loss_config("sapo", SAPOLossConfig, config)
+    mask, lp, old, adv, w = prepare_inputs(logprobs, old_logprobs, advantages, response_mask, loss_weights)
     log_ratio = (lp - old).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     ratio = log_ratio.exp()
     tau = torch.where(adv > 0, torch.tensor(cfg.tau_pos, dtype=lp.dtype, device=lp.device),
@@ -316,9 +329,9 @@ def sapo_loss(logprobs, old_logprobs, advantages, response_mask, config: Optiona
     with torch.no_grad():
         sd = s.detach()
         metrics = {
-            "sapo/gate_mean": _mean(gate.detach(), mask),
+            "sapo/gate_mean": valid_mean(gate.detach(), mask),
             # df/dr = 4 s (1 - s): the gradient scale relative to the unclipped surrogate -A r
-            "sapo/grad_weight_mean": _mean(4.0 * sd * (1.0 - sd), mask),
-            **_ratio_metrics("sapo", log_ratio, ratio, mask),
+            "sapo/grad_weight_mean": valid_mean(4.0 * sd * (1.0 - sd), mask),
+            **ratio_metrics("sapo", log_ratio, ratio, mask),
         }
     return loss, metrics

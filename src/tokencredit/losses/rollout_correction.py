@@ -39,7 +39,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .policy import _check_number, _mean
+from .policy import check_number, valid_mean
 
 __all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_RS_OPTIONS", "RolloutCorrectionConfig", "rollout_correction"]
 
@@ -64,7 +64,7 @@ class RolloutCorrectionConfig:
     def __post_init__(self):
         if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
             raise ValueError(f"loss.rollout_is: expected None or one of {list(ROLLOUT_IS_LEVELS)}, got {self.rollout_is!r}")
-        _check_number("loss", "rollout_is_threshold", self.rollout_is_threshold, low=0, low_open=True,
+        check_number("loss", "rollout_is_threshold", self.rollout_is_threshold, low=0, low_open=True,
                       expected="a number > 0")
         if self.rollout_rs is not None:
             opts = self.options
@@ -75,7 +75,7 @@ class RolloutCorrectionConfig:
             if self.rollout_rs_threshold is None:
                 raise ValueError(f"loss.rollout_rs_threshold: expected a number > 0 with rollout_rs={self.rollout_rs!r}, got None")
         if self.rollout_rs_threshold is not None:
-            _check_number("loss", "rollout_rs_threshold", self.rollout_rs_threshold, low=0, low_open=True,
+            check_number("loss", "rollout_rs_threshold", self.rollout_rs_threshold, low=0, low_open=True,
                           expected="a number > 0")
             if any(o.endswith("k1") for o in self.options) and self.rollout_rs_threshold < 1:
                 raise ValueError(f"loss.rollout_rs_threshold: expected a number >= 1 with {self.rollout_rs!r} (k1 keeps "
@@ -128,11 +128,11 @@ def rollout_correction(old_logprobs: Tensor, behaviour_logprobs: Tensor, respons
     safe = delta.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     any_valid = bool(mask.any())
     metrics: Dict[str, float] = {
-        "rollout_corr/log_ratio_mean": _mean(delta, mask),
+        "rollout_corr/log_ratio_mean": valid_mean(delta, mask),
         "rollout_corr/log_ratio_max": float(delta[mask].max()) if any_valid else 0.0,
         "rollout_corr/log_ratio_min": float(delta[mask].min()) if any_valid else 0.0,
-        "rollout_corr/kl": _mean(-delta, mask),
-        "rollout_corr/k3_kl": _mean(torch.expm1(safe) - safe, mask),
+        "rollout_corr/kl": valid_mean(-delta, mask),
+        "rollout_corr/k3_kl": valid_mean(torch.expm1(safe) - safe, mask),
     }
 
     weights = None
@@ -145,7 +145,7 @@ def rollout_correction(old_logprobs: Tensor, behaviour_logprobs: Tensor, respons
         weights = raw.clamp(max=cfg.rollout_is_threshold)
         n = max(int(mask.sum()), 1)
         metrics.update({
-            "rollout_corr/rollout_is_mean": _mean(weights, mask),
+            "rollout_corr/rollout_is_mean": valid_mean(weights, mask),
             "rollout_corr/rollout_is_max": float(weights[mask].max()) if any_valid else 0.0,
             "rollout_corr/rollout_is_min": float(weights[mask].min()) if any_valid else 0.0,
             "rollout_corr/rollout_is_ratio_fraction_high": int((mask & (raw > cfg.rollout_is_threshold)).sum()) / n,
@@ -153,7 +153,7 @@ def rollout_correction(old_logprobs: Tensor, behaviour_logprobs: Tensor, respons
         })
         if cfg.rollout_is_batch_normalize:
             if cfg.rollout_is == "token":
-                norm = _mean(weights, mask)
+                norm = valid_mean(weights, mask)
             else:
                 rows = mask.any(-1)
                 norm = float(weights[:, :1][rows].mean()) if bool(rows.any()) else 0.0

@@ -29,7 +29,7 @@ from ..batch import CreditBatch
 from ..ops import masked_fill_zero, masked_mean
 from ..registry import CreditOutput, OraclePass, register_estimator
 
-__all__ = ["OPDConfig", "opd", "distillation_evidence", "oracle_prompt", "oracle_pass", "DEFAULT_ORACLE_TEMPLATE"]
+__all__ = ["OPDConfig", "opd", "check_template", "distillation_evidence", "oracle_prompt", "oracle_pass", "DEFAULT_ORACLE_TEMPLATE"]
 
 # reconstructed (research notes: "x+ = x plus the reference answer, a documented template"): the
 # prompt unchanged and the answer appended, nothing else, so that the oracle differs from the
@@ -42,7 +42,9 @@ DEFAULT_ORACLE_TEMPLATE = "{prompt}\n\n(The correct answer is {answer}.)"
 _PLACEHOLDER = re.compile(r"\{(prompt|answer)\}")
 
 
-def _check_template(template: object, where: str) -> None:
+def check_template(template: object, where: str) -> None:
+    """Raise ``ValueError`` (naming ``where``) unless ``template`` is a string holding both
+    ``{prompt}`` and ``{answer}``: an oracle prompt's template (OPD's, OPPO's)."""
     if not isinstance(template, str):
         raise ValueError(f"{where}: expected a string with {{prompt}} and {{answer}}, got {type(template).__name__}")
     for key in ("{prompt}", "{answer}"):
@@ -56,7 +58,7 @@ def oracle_prompt(prompt: str, answer: str, template: str = DEFAULT_ORACLE_TEMPL
     Substitution is a single pass over the template, so braces elsewhere in the template
     (LaTeX such as ``\\boxed{}``) and placeholders inside the prompt or answer are left as they are.
     """
-    _check_template(template, "oracle_prompt template")
+    check_template(template, "oracle_prompt template")
     if not isinstance(prompt, str):
         raise TypeError(f"oracle_prompt prompt: expected str, got {type(prompt).__name__}")
     if not isinstance(answer, str):
@@ -89,7 +91,7 @@ class OPDConfig:
             raise ValueError(f"opd coefficient: expected a finite number > 0, got {self.coefficient!r}")
         if self.oracle not in ("self", "teacher"):
             raise ValueError(f"opd oracle: expected 'self' or 'teacher', got {self.oracle!r}")
-        _check_template(self.oracle_template, "opd oracle_template")
+        check_template(self.oracle_template, "opd oracle_template")
 
 
 def distillation_evidence(batch: CreditBatch, clip: Optional[float] = None):

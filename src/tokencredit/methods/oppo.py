@@ -51,7 +51,7 @@ from ..batch import CreditBatch, CreditInputError
 from ..ops import sign_agreement
 from ..ops import group_mean, groups_of, masked_fill_zero, masked_mean
 from ..registry import CreditOutput, register_estimator
-from .opd import DEFAULT_ORACLE_TEMPLATE, _check_template, distillation_evidence, oracle_pass, oracle_prompt
+from .opd import DEFAULT_ORACLE_TEMPLATE, check_template, distillation_evidence, oracle_pass, oracle_prompt
 
 __all__ = ["OPPOConfig", "oppo", "oracle_prompt", "belief_trajectory", "DEFAULT_ORACLE_TEMPLATE"]
 
@@ -111,7 +111,7 @@ class OPPOConfig:
             raise ValueError(f"oppo anchor: expected 'off', 'zero' or 'flip', got {self.anchor!r}{hint}")
         if self.oracle not in ("self", "teacher"):
             raise ValueError(f"oppo oracle: expected 'self' or 'teacher', got {self.oracle!r}")
-        _check_template(self.oracle_template, "oppo oracle_template")
+        check_template(self.oracle_template, "oppo oracle_template")
 
 
 def belief_trajectory(v0: Tensor, evidence: Tensor, mask: Tensor, eps: float, form: str = "log_odds"):
