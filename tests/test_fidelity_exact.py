@@ -78,7 +78,11 @@ def test_exact_estimates_score_with_no_noise_ceiling(tiny, tmp_path):
     # the restricted policy's own signals: a distribution over 11 tokens
     assert bool((sig["entropy"][m] <= math.log(11) + 1e-6).all()) and bool((sig["mode_prob"][m] >= 1 / 11 - 1e-6).all())
     assert bool((sig["logprobs"][m] <= torch.log(sig["mode_prob"][m]) + 1e-6).all())
-    res = score(est, ["grpo", "oppo", "grpo+taco", "grpo+surprisal"], cfg=FidelityConfig(n_boot=20))
+    # sum of squared probabilities (OTB's signal): between the mode's square and the mode
+    assert bool((sig["sum_pi_squared"][m] >= sig["mode_prob"][m] ** 2 - 1e-6).all())
+    assert bool((sig["sum_pi_squared"][m] <= sig["mode_prob"][m] + 1e-6).all())
+    assert bool((sig["sum_pi_squared"][m] >= 1 / 11 - 1e-6).all())
+    res = score(est, ["grpo", "oppo", "grpo+taco", "grpo+surprisal", "otb"], cfg=FidelityConfig(n_boot=20))
     rows = {r["method"]: r for r in res["rows"]}
     assert res["skipped"] == []
     # the two "halves" are the same exact V: the noise reference is perfect, nothing is left to noise
@@ -127,7 +131,9 @@ def test_the_bundled_exact_set():
     from tokencredit.registry import get_method, list_methods
 
     circular = {n for n in list_methods() if "true_values" in get_method(n).requires}  # scored by what they read
-    assert {x["spec"] for x in res["skipped"]} <= {"gae", "pact", "grpo+arca", "rloo+arca", "grpo+divergence"} | circular
+    sampled = {n for n in list_methods() if "mc_values" in get_method(n).requires}  # need continuation rollouts
+    assert {x["spec"] for x in res["skipped"]} <= {"gae", "pact", "grpo+arca", "rloo+arca", "grpo+divergence"} | circular | sampled
+    assert "otb" in {r["method"] for r in res["rows"]}  # the exact set carries OTB's sum of squared probabilities
     c = token_credit(est)
     sig = est["rollouts"]["signals"]
     torch.testing.assert_close(c.sum(1), sig["rewards"] - s[:, 0, 0], atol=1e-5, rtol=0)

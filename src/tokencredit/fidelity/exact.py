@@ -197,7 +197,7 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0])
     mask = torch.zeros(B, T, dtype=torch.long)
     ids = torch.full((B, T), pad, dtype=torch.long)
-    sig = {k: torch.zeros(B, T) for k in ("logprobs", "entropy", "mode_prob", "oracle_logprobs")}
+    sig = {k: torch.zeros(B, T) for k in ("logprobs", "entropy", "mode_prob", "sum_pi_squared", "oracle_logprobs")}
     samples_t = torch.full((B, T, 2), float("nan"))
     pids = torch.full((B, P), pad, dtype=torch.long)
     pmask = torch.zeros(B, P, dtype=torch.long)
@@ -212,6 +212,7 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
             sig["logprobs"][b, t] = float(lp[pol.allowed.index(y)])
             sig["entropy"][b, t] = float(-(p * lp).sum())
             sig["mode_prob"][b, t] = float(p.max())
+            sig["sum_pi_squared"][b, t] = float((p * p).sum())
             sig["oracle_logprobs"][b, t] = orc_rows[b][t]
             samples_t[b, t] = V_rows[b][t]
     saved = {
