@@ -251,7 +251,7 @@ def test_trainer_mode_loss_hands_signals_to_the_calibrator(method, cfg):
     # outside the wrapper the same loss lacks the signal and says how to get it
     hint = "calculate_entropy=True" if method == "taco" else "use_kl_loss=True"
     with pytest.raises(CreditInputError, match=hint):
-        with tcv._loss_context(settings, {}):
+        with tcv.loss_context(settings, {}):
             get_policy_loss_fn("tokencredit")(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
                                               loss_agg_mode="token-mean", config=actor_config())
 
@@ -352,12 +352,12 @@ def test_verl_std_switch_reaches_any_estimator_with_the_field(monkeypatch):
         lambda batch, config: CreditOutput(advantages=batch.response_mask.float() * (1.0 if config.std_normalize else 2.0))
     )
     tlr, mask, uid, _ = rollout()
-    est = tcv._make_estimator("test_std_switch")
+    est = tcv.make_estimator("test_std_switch")
     on, _ = est(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=True), index=uid)
     off, _ = est(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=False), index=uid)
     torch.testing.assert_close(on, mask)
     torch.testing.assert_close(off, 2 * mask)
-    rloo = tcv._make_estimator("rloo")
+    rloo = tcv.make_estimator("rloo")
     torch.testing.assert_close(
         rloo(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=False), index=uid)[0],
         rloo(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(norm_adv_by_std_in_grpo=True), index=uid)[0],
@@ -373,7 +373,7 @@ def test_core_shows_the_live_call_contexts():
     assert core._DRIVER is None and core._LOSS_CONTEXT is None
     with tcv.driver_signals(mask, {"entropy": torch.zeros(2, 3)}):
         assert core._DRIVER is not None and set(core._DRIVER.signals) == {"entropy"}
-        with tcv._loss_context(tcv.VerlCreditSettings(spec="grpo"), {"entropy": torch.zeros(2, 3)}, None):
+        with tcv.loss_context(tcv.VerlCreditSettings(spec="grpo"), {"entropy": torch.zeros(2, 3)}, None):
             assert core._LOSS_CONTEXT.settings.spec == "grpo"
     assert core._DRIVER is None and core._LOSS_CONTEXT is None
     with pytest.raises(AttributeError, match="_NOPE"):
@@ -399,7 +399,7 @@ def test_unsupported_or_bad_settings_fail_clearly(settings, match):
 
 def test_bad_estimator_inputs_fail_clearly(monkeypatch):
     tlr, mask, uid, _ = rollout()
-    est = tcv._make_estimator("grpo")
+    est = tcv.make_estimator("grpo")
     with pytest.raises(CreditInputError, match="index"):
         est(token_level_rewards=tlr, response_mask=mask, config=AlgoConfig(), index=None)
     singleton = uid.copy()

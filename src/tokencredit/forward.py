@@ -19,10 +19,11 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["cache_name", "checkpointing_on", "forward_response", "distinct_rows", "prompt_cache", "positions"]
+__all__ = ["base_model", "cache_name", "checkpointing_on", "forward_response", "distinct_rows", "prompt_cache", "positions"]
 
 
-def _base(model):
+def base_model(model):
+    """``model`` itself, or a peft model's base model (where its config and ``forward`` live)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -33,7 +34,7 @@ def cache_name(model) -> str:
     import inspect
 
     try:
-        params = inspect.signature(_base(model).forward).parameters
+        params = inspect.signature(base_model(model).forward).parameters
     except (TypeError, ValueError, AttributeError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
@@ -42,7 +43,7 @@ def cache_name(model) -> str:
 def checkpointing_on(model) -> bool:
     """Whether ``model`` recomputes activations in backward (``is_activation_checkpointing``,
     ``is_gradient_checkpointing`` in older transformers, where the other is missing)."""
-    base = _base(model)
+    base = base_model(model)
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name first: the old one warns
         if hasattr(type(base), name):
             return bool(getattr(base, name))

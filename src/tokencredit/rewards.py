@@ -91,6 +91,8 @@ __all__ = [
     "numeric_accuracy",
     "per_sample_func",
     "answer_key",
+    "checked_values",
+    "resolve_ref",
     "reward_columns",
     "reward_metrics",
     "runner_for",
@@ -193,7 +195,7 @@ def _load(ref: tuple) -> Tuple[Callable, Dict[str, Any]]:
     """Import ``ref``'s function in this process (the worker) -> (it, :func:`_info_of` it); a
     failure is a :class:`_LoadError` naming the module."""
     try:
-        fn = _resolve(ref)
+        fn = resolve_ref(ref)
     except _MissingAttribute as e:
         raise _LoadError(str(e)) from None
     except Exception as e:
@@ -218,7 +220,7 @@ def _load_file_module(path: str):
     return module
 
 
-def _resolve(ref: tuple) -> Any:
+def resolve_ref(ref: tuple) -> Any:
     """A reference (see :func:`_parse_target`, :class:`RewardFunc`) -> the callable."""
     kind = ref[0]
     if kind == "object":
@@ -228,7 +230,7 @@ def _resolve(ref: tuple) -> Any:
             _warm_math_verify()
         return partial(BUILTINS[ref[1]], answer_column=ref[2])
     if kind == "per_sample":
-        inner = _resolve(ref[1])
+        inner = resolve_ref(ref[1])
         if inner is math_reward:
             _warm_math_verify()
         return partial(_per_sample, inner, ref[2])
@@ -304,7 +306,7 @@ class _UserFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fn is None:
-            self._fn = _resolve(self.__tokencredit_ref__)
+            self._fn = resolve_ref(self.__tokencredit_ref__)
         return self._fn(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -433,8 +435,8 @@ def _per_sample(fn: Callable, reward_range, completions, examples, **_: Any) -> 
     return out
 
 
-def _checked(values: Any, n: int) -> list:
-    """A function's return value as ``n`` entries: a float, None, or a failure marker."""
+def checked_values(values: Any, n: int) -> list:
+    """A reward function's return value as ``n`` entries: a float, None, or a failure marker ``(_FAIL, why)``."""
     if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
         # a dict is refused, never read by its keys (verl's {"score": ...} belongs to verl's compute_score)
         raise RewardValueError(f"expected a list of {n} floats (or None), one per completion, got {type(values).__name__} "
@@ -483,7 +485,7 @@ def _worker_main(conn) -> None:
                 metrics: Dict[str, float] = {}
                 kwargs["log_metric"] = lambda name, value: metrics.__setitem__(str(name), float(value))
                 kwargs["log_extra"] = lambda *a, **k: None
-                values = _checked(funcs[key](**kwargs), n)
+                values = checked_values(funcs[key](**kwargs), n)
                 conn.send(("ok", values, metrics))
         except BaseException as e:  # noqa: BLE001 - user code: reported to the parent
             try:

@@ -38,14 +38,29 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, runt
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HFRollout", "ReplayRollout", "RolloutBackend", "RolloutBatch", "StepBatch", "NonFiniteLogitsError", "response_mask_from_ids"]
+from .forward import base_model
+
+__all__ = [
+    "HFRollout",
+    "ReplayRollout",
+    "RolloutBackend",
+    "RolloutBatch",
+    "StepBatch",
+    "NonFiniteLogitsError",
+    "check_generate_args",
+    "check_tokenizer",
+    "clean_generation_config",
+    "finite_check_processor",
+    "response_mask_from_ids",
+    "stop_token_ids",
+]
 
 
 class NonFiniteLogitsError(FloatingPointError):
     """The policy produced NaN/inf logits while sampling (a diverged or corrupted model)."""
 
 
-def _finite_check_processor():
+def finite_check_processor():
     """A logits processor that stops generation at the first non-finite logit.
 
     Without it ``generate`` fails deep inside its sampler ("probability tensor contains inf,
@@ -297,6 +312,66 @@ def response_mask_from_ids(response_ids: torch.Tensor, stop_ids: Sequence[int]) 
     return (stops_before == 0).long()
 
 
+def check_tokenizer(tokenizer) -> None:
+    """Refuse a tokenizer a rollout cannot use (no pad token, no chat template), in one line."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError("tokenizer: expected a pad token (tokencredit.models.prepare_tokenizer sets eos), got none")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("tokenizer: expected a chat template (prompts are chat messages), got none")
+
+
+def check_generate_args(prompts, num_samples, max_new_tokens, temperature, top_p) -> None:
+    """Refuse bad arguments of :meth:`RolloutBackend.generate` in one line naming the field."""
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError(f"prompts: expected a non-empty list of chat-message lists, got {type(prompts).__name__} {prompts!r:.80}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) or not isinstance(p, (list, tuple)) or not all(isinstance(m, dict) for m in p):
+            raise ValueError(
+                f"prompts[{i}]: expected a list of chat messages like [{{'role': 'user', 'content': ...}}], got {p!r:.80}"
+            )
+    if int(num_samples) != num_samples or num_samples < 1:
+        raise ValueError(f"num_samples: expected an integer >= 1, got {num_samples}")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected in (0, 1], got {top_p}")
+
+
+def stop_token_ids(tokenizer, model) -> List[int]:
+    """The tokenizer's EOS plus any EOS ``model``'s generation config declares (a peft model: its base's)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gc_eos = getattr(getattr(base_model(model), "generation_config", None), "eos_token_id", None)
+    if gc_eos is not None:
+        ids.update(int(i) for i in (gc_eos if isinstance(gc_eos, (list, tuple)) else [gc_eos]))
+    if not ids:
+        raise ValueError("tokenizer: expected an eos_token (generation must be able to stop), got none")
+    return sorted(ids)
+
+
+@contextlib.contextmanager
+def clean_generation_config(model, tokenizer, stop_ids: List[int]) -> Iterator[None]:
+    """``model``'s generation config replaced by a neutral one (only BOS, ``stop_ids``, pad) for the duration.
+
+    ``generate()`` fills every setting left unset from ``model.generation_config`` (repetition
+    penalties, top_k, suppressed tokens, ...), which would make the samples come from a different
+    distribution than the log-probs describe."""
+    from transformers import GenerationConfig
+
+    hf = base_model(model)
+    saved = hf.generation_config
+    hf.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id
+    )
+    try:
+        yield
+    finally:
+        hf.generation_config = saved
+
+
 class HFRollout:
     """:class:`RolloutBackend` on ``model.generate`` (a transformers or peft causal LM).
 
@@ -327,10 +402,7 @@ class HFRollout:
             raise ValueError(f"max_batch_size: expected >= 1 or None, got {max_batch_size}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype: expected a floating torch dtype or None, got {dtype!r}")
-        if tokenizer.pad_token_id is None:
-            raise ValueError("tokenizer: expected a pad token (tokencredit.models.prepare_tokenizer sets eos), got none")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("tokenizer: expected a chat template (prompts are chat messages), got none")
+        check_tokenizer(tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -364,38 +436,9 @@ class HFRollout:
         return self._copy
 
     # -- helpers ---------------------------------------------------------------------------
-    def _stop_ids(self) -> List[int]:
-        """The tokenizer's EOS plus any EOS the model's generation config declares."""
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gc_eos = getattr(getattr(self._hf_model(), "generation_config", None), "eos_token_id", None)
-        if gc_eos is not None:
-            ids.update(int(i) for i in (gc_eos if isinstance(gc_eos, (list, tuple)) else [gc_eos]))
-        if not ids:
-            raise ValueError("tokenizer: expected an eos_token (generation must be able to stop), got none")
-        return sorted(ids)
-
     def _hf_model(self):
-        m = self._copy if self._copy is not None else self.model
-        return m.get_base_model() if hasattr(m, "get_base_model") else m
-
-    @contextlib.contextmanager
-    def _clean_generation_config(self, stop_ids: List[int]) -> Iterator[None]:
-        # generate() fills every setting we leave unset from model.generation_config
-        # (repetition penalties, top_k, suppressed tokens, ...), which would make the samples
-        # come from a different distribution than the log-probs describe. Swap in a neutral one.
-        from transformers import GenerationConfig
-
-        hf = self._hf_model()
-        saved = hf.generation_config
-        hf.generation_config = GenerationConfig(
-            bos_token_id=self.tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=self.tokenizer.pad_token_id
-        )
-        try:
-            yield
-        finally:
-            hf.generation_config = saved
+        """The transformers model ``generate`` runs (the ``dtype`` copy if made; a peft model's base)."""
+        return base_model(self._copy if self._copy is not None else self.model)
 
     def _shared_prefix(self, enc, prompt_index: torch.Tensor, device) -> Dict[str, object]:
         """The KV cache for generate (``past_key_values``, ``cache`` in newer transformers): every
@@ -426,23 +469,6 @@ class HFRollout:
         rank[by_len] = torch.arange(len(by_len))
         return torch.argsort(rank[prompt_index] * len(prompt_index) + torch.arange(len(prompt_index)), stable=True)
 
-    def _check(self, prompts, num_samples, max_new_tokens, temperature, top_p) -> None:
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise ValueError(f"prompts: expected a non-empty list of chat-message lists, got {type(prompts).__name__} {prompts!r:.80}")
-        for i, p in enumerate(prompts):
-            if isinstance(p, str) or not isinstance(p, (list, tuple)) or not all(isinstance(m, dict) for m in p):
-                raise ValueError(
-                    f"prompts[{i}]: expected a list of chat messages like [{{'role': 'user', 'content': ...}}], got {p!r:.80}"
-                )
-        if int(num_samples) != num_samples or num_samples < 1:
-            raise ValueError(f"num_samples: expected an integer >= 1, got {num_samples}")
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens}")
-        if not temperature >= 0:
-            raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p: expected in (0, 1], got {top_p}")
-
     # -- the backend -------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
@@ -455,7 +481,7 @@ class HFRollout:
         top_p: float = 1.0,
         seed: Optional[int] = None,
     ) -> RolloutBatch:
-        self._check(prompts, num_samples, max_new_tokens, temperature, top_p)
+        check_generate_args(prompts, num_samples, max_new_tokens, temperature, top_p)
         tok = self.tokenizer
         texts = [tok.apply_chat_template(list(m), tokenize=False, add_generation_prompt=True) for m in prompts]
         # the template already writes the special tokens; add_special_tokens=False avoids a second BOS
@@ -466,7 +492,7 @@ class HFRollout:
         N, P = prompt_ids.shape
         gen = self.generation_model()
         device = next(gen.parameters()).device
-        stop_ids = self._stop_ids()
+        stop_ids = stop_token_ids(tok, self._hf_model())
         pad = int(tok.pad_token_id)
         greedy = temperature == 0
         t_lp = 1.0 if greedy else float(temperature)
@@ -496,7 +522,7 @@ class HFRollout:
             from .precision import bf16_attention
 
             attention = bf16_attention(device.type) if self.dtype == torch.bfloat16 else contextlib.nullcontext()
-            with rng, self._clean_generation_config(stop_ids), attention:
+            with rng, clean_generation_config(self._hf_model(), tok, stop_ids), attention:
                 if seed is not None:
                     torch.manual_seed(int(seed))
                 for s in range(0, N, step):
@@ -511,7 +537,7 @@ class HFRollout:
                     processors = ([] if hf_samples else [record] if greedy else _sampling_processors(t_lp, float(top_p), record))
                     out = gen.generate(
                         input_ids=ids, attention_mask=att, generation_config=gen_cfg,
-                        logits_processor=[_finite_check_processor()] + processors,
+                        logits_processor=[finite_check_processor()] + processors,
                         **prefix,
                     )
                     resp = out.sequences[:, cP:].cpu()

