@@ -227,20 +227,22 @@ class Trainer:
         # 2. signals: the passes the plan declares (with one epoch the update's own forwards,
         # ``pre``, give the policy pass's signals and are reused by the update)
         sig, pre = self._step_signals(batch)
-        old_logprobs = sig.get("logprobs", batch.behaviour_logprobs)
+        # PPO's pi_old: the pre-update policy's log-probs (the CreditBatch's ``logprobs``; its
+        # ``old_logprobs`` are the sampler's, ``behaviour_logprobs``)
+        policy_logprobs = sig.get("logprobs", batch.behaviour_logprobs)
 
         # 3. credit: stateful methods step their controller from this pre-update batch first
-        cb, credit, credit_state = self._credit(batch, sig, old_logprobs)
+        cb, credit, credit_state = self._credit(batch, sig, policy_logprobs)
         metrics.update(credit.metrics)
         metrics.update(credit_diagnostics(cb, credit))
 
         # 4. policy update
-        metrics.update(self._update_policy(batch, credit.advantages, old_logprobs, sig.get("ref_logprobs"), pre=pre))
+        metrics.update(self._update_policy(batch, credit.advantages, policy_logprobs, sig.get("ref_logprobs"), pre=pre))
 
         # 5. critic update, after the actor (PACT's order; the declared critic says whether it
         # trains on the updated actor's pass)
         if self.critic is not None:
-            metrics.update(self._update_critic(batch, sig, credit, old_logprobs))
+            metrics.update(self._update_critic(batch, sig, credit, policy_logprobs))
 
         # 6. log (TRL's names where TRL has the metric): the learning rate, the tokens trained on so
         # far and timings; the batch is kept for an eval's saved rollouts
@@ -492,24 +494,24 @@ class Trainer:
         return autocast(self.cfg.precision, self.device.type)
 
     # -- 3. credit ----------------------------------------------------------------------------
-    def _credit(self, batch: StepBatch, sig: Dict[str, torch.Tensor], old_logprobs: torch.Tensor):
+    def _credit(self, batch: StepBatch, sig: Dict[str, torch.Tensor], policy_logprobs: torch.Tensor):
         """The CreditBatch, the credit, and the credit spec's state after this step: stateful
         methods step their controller from this pre-update batch first and the credit reads the
         updated state (STARE's reference order); that state is kept for the saved rollouts, so
         that a replay computes the same credit."""
         cb = CreditBatch(
             response_mask=batch.response_mask, rewards=batch.rewards, group_ids=batch.prompt_index,
-            logprobs=old_logprobs, old_logprobs=batch.behaviour_logprobs,
+            logprobs=policy_logprobs, old_logprobs=batch.behaviour_logprobs,
             **{k: sig[k] for k in SIGNALS if k in sig and k not in ("logprobs", "old_logprobs")},
         )
         credit = self.credit(cb)
         return cb, credit, copy.deepcopy(self.credit.state_dict())
 
     # -- 4. policy, 5. critic -----------------------------------------------------------------
-    def _update_policy(self, batch, adv, old_logprobs, ref_logprobs, pre=None) -> Dict[str, float]:
-        return self.policy_update(batch, adv, old_logprobs, ref_logprobs, self.step + 1, pre=pre)
+    def _update_policy(self, batch, adv, policy_logprobs, ref_logprobs, pre=None) -> Dict[str, float]:
+        return self.policy_update(batch, adv, policy_logprobs, ref_logprobs, self.step + 1, pre=pre)
 
-    def _update_critic(self, batch: StepBatch, sig, credit, old_logprobs) -> Dict[str, float]:
+    def _update_critic(self, batch: StepBatch, sig, credit, policy_logprobs) -> Dict[str, float]:
         """The declared critic's step: its loss on the value head's output, on the hidden states
         of the pre-update pass, or (``after_actor``) of one more pass of the updated actor, each
         sample weighted by the declared importance weights pi_new / pi_old."""
@@ -520,10 +522,10 @@ class Trainer:
         if spec.after_actor:
             new = self._signals(batch, SignalPlan.policy_only(hidden=True))
             hidden = new["hidden"].detach()
-            weights = spec.is_weights(new["logprobs"], old_logprobs, mask)
+            weights = spec.is_weights(new["logprobs"], policy_logprobs, mask)
             valid = mask.bool()
             out["critic/is_kept_frac"] = float(((weights > 0) & valid).sum() / valid.sum().clamp_min(1))
-            out["critic/is_ratio_mean"] = float(torch.exp(new["logprobs"] - old_logprobs)[valid].mean()) if valid.any() else 1.0
+            out["critic/is_ratio_mean"] = float(torch.exp(new["logprobs"] - policy_logprobs)[valid].mean()) if valid.any() else 1.0
         else:
             hidden = sig["hidden"].detach()
         out["critic/loss"] = critic_step(self.critic, self.critic_opt, spec, hidden, rewards=batch.rewards, returns=credit.returns,
