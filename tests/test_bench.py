@@ -200,6 +200,8 @@ def test_quick_bench_success_is_the_exact_value_of_the_trained_policy(quick):
     (dict(specs="grpo,oracle,nosuch"), r"^--credit: bad credit spec 'nosuch': unknown credit method 'nosuch'"),
     (dict(specs="grpo,rloo"), r"^--credit: expected grpo and oracle among the specs"),
     (dict(steps=3), r"^--steps: expected a budget of at least 2 evals \(10 steps on keytok\), got 3$"),
+    (dict(specs="grpo,oracle,grpo+arca"), r"^--credit: grpo\+arca cannot run on keytok: credit 'grpo\+arca': arca reads "
+                                          r"the LoRA adapter's effect; expected a model with a LoRA adapter"),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_run(tmp_path, kw, msg):
     args = dict(tasks="keytok", specs="grpo,oracle", seeds="0", output_dir=tmp_path / "b", workers=1, progress=False)

@@ -152,6 +152,21 @@ def make_trainer(cfg, init_dir: Optional[str] = None):
     return _trainer_class()(cfg, model=model, tokenizer=tok)
 
 
+def check_runnable(task: str, spec: str, out: Path) -> None:
+    """Refuse, in one line and before any model loads, a spec the own trainer cannot run in
+    ``task``'s bench setting (its plan: e.g. ARCA needs a LoRA adapter the bench policy lacks)."""
+    from .compare import run_config
+    from .errors import ConfigError
+    from .spec import CreditPipeline
+    from .trainer import config_plan
+
+    cfg = run_config(bench_config(task), spec, 0, out / task)
+    try:
+        config_plan(CreditPipeline(cfg.credit, cfg.method_configs()), cfg)
+    except (ConfigError, ValueError) as e:
+        raise BenchError(f"--credit: {spec} cannot run on {task}: {e}") from None
+
+
 def _job(task: str, spec: str, seed: int, out: str, steps: Optional[int], eval_every: Optional[int],
          trainer_factory=None) -> Tuple[str, str, int, str]:
     import torch
@@ -210,6 +225,9 @@ def run_bench(tasks: Sequence[str] | str = SUITE, specs: Sequence[str] | str = D
             raise BenchError(f"--steps: expected a budget of at least {MIN_EVALS} evals ({MIN_EVALS * e} steps on {t}), got {n}")
     if not isinstance(output_dir, (str, Path)) or not str(output_dir).strip():
         raise BenchError(f"--output-dir: expected a directory, got {output_dir!r}")
+    for t in tasks:  # a spec the bench's setting cannot run is refused before any run trains
+        for s in specs:
+            check_runnable(t, str(s), Path(output_dir))
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"tasks": tasks, "specs": [str(s) for s in specs], "seeds": seeds, "quick": quick, "steps": steps}

@@ -49,7 +49,7 @@ from .spec import CreditPipeline
 from .update import (NonFiniteError, PolicyUpdate, check_finite, critic_step, policy_loss_config, policy_optimizer,
                      rollout_correction_config)
 
-__all__ = ["Trainer", "NonFiniteError", "forward_response"]
+__all__ = ["Trainer", "NonFiniteError", "config_plan", "forward_response"]
 
 
 class Trainer:
@@ -90,7 +90,7 @@ class Trainer:
         self.credit = CreditPipeline(cfg.credit, cfg.method_configs())  # credit_config + credit_args
         # what the spec's methods declare (signals, passes, critic, an adapter, a teacher),
         # checked against this setting before any model is loaded
-        self.plan = _plan(self.credit, cfg, model=model, reference=reference, teacher=teacher, task=task)
+        self.plan = config_plan(self.credit, cfg, model=model, reference=reference, teacher=teacher, task=task)
 
         from .losses import get_policy_loss
 
@@ -634,9 +634,10 @@ class Trainer:
 # helpers
 
 
-def _plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=None, teacher=None, task=None) -> SignalPlan:
+def config_plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, reference=None, teacher=None, task=None) -> SignalPlan:
     """The passes a step of ``credit`` needs under this config (before any model is loaded: a
-    declared need that the setting cannot meet is a one-line ConfigError)."""
+    declared need that the setting cannot meet is a one-line ConfigError; ``tokencredit bench``
+    checks every spec of its list this way before its first run)."""
     from .models import is_lora
     from .tasks import response_space
 
