@@ -81,8 +81,9 @@ def make_batch(
     if "mc_values" in signals or "step_starts" in signals:  # steps of 2 tokens, each with its own MC value (own stream)
         g = torch.Generator().manual_seed(seed + 104729)
         step = torch.arange(T) // 2
-        kw["step_starts"] = (torch.arange(T) % 2 == 0).to(dtype).expand(B, T).clone()
-        kw["mc_values"] = (torch.randint(0, 5, (B, (T + 1) // 2), generator=g).double() / 4).to(dtype)[:, step]
+        starts = (torch.arange(T) % 2 == 0).to(dtype).expand(B, T).clone()
+        values = (torch.randint(0, 5, (B, (T + 1) // 2), generator=g).double() / 4).to(dtype)[:, step]
+        kw.update({k: v for k, v in (("step_starts", starts), ("mc_values", values)) if k in signals})
     return CreditBatch(response_mask=mask, rewards=rewards, group_ids=group_ids, **kw)
 
 
