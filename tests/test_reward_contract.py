@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import logging
 import os
 import subprocess
@@ -47,6 +48,10 @@ def all_none(completions, **kwargs):
 
 def always_raises(completions, **kwargs):
     raise RuntimeError("grader down")
+
+
+def huge(completions, **kwargs):
+    return [1e308 if i % 2 else 1.0 for i in range(len(completions))]
 
 
 def _examples(extra=None):
@@ -147,6 +152,26 @@ def test_a_run_shorter_than_max_failing_steps_whose_reward_always_fails_exits_2(
     (line,) = [ln for ln in err.splitlines() if ln.startswith("tokencredit train:")]
     assert "always_raises: failed on every completion of every step of the run (1 step(s)" in line
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_reward_too_large_for_float32_statistics_is_a_failed_call(runner_of):
+    """1e308 is finite as a Python float, but inf in the float32 rewards tensor, and its square
+    overflows a group's std long before: the call fails in one line naming the bound."""
+    s = _score(runner_of("test_reward_contract:huge"))
+    assert s.failed["error"] == 1 and s.all_failed == [False]
+    assert "reward: expected a number of magnitude at most 1e+15" in s.first_failure[0]
+    assert "got 1e+308" in s.first_failure[0] and "\n" not in s.first_failure[0]
+    assert all(math.isfinite(t) for t in s.total)
+
+
+def test_a_run_whose_rewards_are_1e308_trains_on_the_finite_ones(tmp_path, tiny_cli):
+    data = _data_file(tmp_path)
+    code, err = _cli(["train", *_tiny_flags(tmp_path, data), "--reward.funcs", "test_reward_contract:huge", "--steps", "1"])
+    assert code == 0, err
+    assert "Traceback" not in err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "reward" in r]
+    assert train and all(math.isfinite(r["reward"]) for r in train)
 
 
 # -- 6. the processes a reward starts end with its worker -----------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "TRL_EXTRA_KWARGS",
     "answers_match",
     "check_reward",
+    "MAX_ABS_REWARD",
     "completion_text",
     "extract_final_answer",
     "math_reward",
@@ -233,9 +234,16 @@ def reference_answer(row: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+#: the largest reward magnitude a reward function may return: rewards become a float32 tensor
+#: (max ~3.4e38) whose group statistics square them (a group std of 1e15-sized rewards stays
+#: finite for groups of up to ~1e8); 1e308 is a finite Python float but inf there
+MAX_ABS_REWARD = 1e15
+
+
 def check_reward(value: Any, reward_range: Optional[Tuple[float, float]] = None) -> float:
     """``value`` as a float if it is a finite real number (a bool, a numpy scalar or a one-element
-    tensor counts; a string such as ``"1.0"`` does not) within ``reward_range`` (inclusive), else
+    tensor counts; a string such as ``"1.0"`` does not) of magnitude at most
+    :data:`MAX_ABS_REWARD`, within ``reward_range`` (inclusive), else
     :class:`RewardValueError`. Training and evaluation both score through this check
     (``Task.reward`` inside :func:`score_safely`)."""
     if not (isinstance(value, numbers.Real) or hasattr(type(value), "__float__")) or isinstance(value, (str, bytes, complex)):
@@ -246,6 +254,9 @@ def check_reward(value: Any, reward_range: Optional[Tuple[float, float]] = None)
         raise RewardValueError(f"reward: expected a single real number, got {type(value).__name__} ({e})") from None
     if not math.isfinite(r):
         raise RewardValueError(f"reward: expected a finite number, got {r}")
+    if abs(r) > MAX_ABS_REWARD:
+        raise RewardValueError(f"reward: expected a number of magnitude at most {MAX_ABS_REWARD:g} "
+                               f"(training statistics are float32), got {r:g}")
     if reward_range is not None and not reward_range[0] <= r <= reward_range[1]:
         raise RewardValueError(f"reward: expected a number in [{reward_range[0]}, {reward_range[1]}], got {r}")
     return r
