@@ -331,15 +331,19 @@ def test_a_reward_module_is_imported_in_the_worker_never_in_the_trainer(tmp_path
 def test_a_module_that_hangs_at_import_is_ended_in_one_line(tmp_path, monkeypatch):
     import tokencredit.rewards as rewards
 
+    import multiprocessing
+
+    def workers():  # this process's reward workers (an earlier test's may await collection)
+        return {p.pid for p in multiprocessing.active_children() if p.name == "tokencredit-reward"}
+
     (tmp_path / "hangs_at_import.py").write_text("import time\ntime.sleep(1000)\ndef fn(completions, **kw):\n    return []\n")
     monkeypatch.setattr(rewards, "LOAD_TIMEOUT_S", 1.0)
+    before = workers()
     with pytest.raises(rewards.RewardFnError) as e:
         load_reward_funcs([f"{tmp_path / 'hangs_at_import.py'}:fn"])
     assert "importing it in the reward worker took more than 1 s and was ended" in str(e.value)
     assert "\n" not in str(e.value)
-    import multiprocessing
-
-    assert not [p for p in multiprocessing.active_children() if p.name == "tokencredit-reward"]
+    assert not workers() - before  # the worker that hung is gone
 
 
 def test_eval_run_names_the_reward_code_and_runs_it_only_when_trusted(tmp_path, tiny_cli):
