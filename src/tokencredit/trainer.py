@@ -40,7 +40,7 @@ from .checkpoint import (check_output_dir, latest_checkpoint, load_weights, rng_
 from .collect import batch_metrics, collect, reward_scores, rollout_metrics, score
 from .config import ConfigError, TrainConfig, config_to_dict
 from .evaluation import evaluate_split, rollouts_record, write_samples
-from .forward import forward_response
+from .forward import base_model, forward_response
 from .plan import PlanError, SignalPlan, plan_signals
 from .rollout import StepBatch
 from .runcontrol import StopSignals, check_resume_config, holding_run_folder, resume_state
@@ -164,8 +164,7 @@ class Trainer:
             self.teacher = (teacher if teacher is not None else load_frozen(cfg.model.teacher, field="model.teacher")[0]).to(self.device)
         self.critic = None
         if self.plan.critic is not None:
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            self.critic = ValueHead(base.get_output_embeddings().weight.shape[1]).to(self.device)
+            self.critic = ValueHead(base_model(self.model).get_output_embeddings().weight.shape[1]).to(self.device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
 
         from .precision import dtype_of
@@ -453,14 +452,12 @@ class Trainer:
         """The continuation pass's inputs (mc_values): continuations sampled from the policy at
         the rollout's temperature and top-p, and whole responses scored with the task's reward."""
         from .continuations import sample_continuations
+        from .rollout import stop_token_ids
 
-        stop = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        gc_eos = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
-        stop.update(int(i) for i in (gc_eos if isinstance(gc_eos, (list, tuple)) else [gc_eos] if gc_eos is not None else []))
+        stop = stop_token_ids(self.tokenizer, self.model)  # the rollout's own stop rule
 
         def sample(prefixes, k, budgets):
-            return sample_continuations(self.model, prefixes, k, budgets, stop_ids=sorted(stop), pad_id=self.tokenizer.pad_token_id,
+            return sample_continuations(self.model, prefixes, k, budgets, stop_ids=stop, pad_id=self.tokenizer.pad_token_id,
                                         temperature=self._temperature(), top_p=self.cfg.rollout.top_p)
 
         def rewards(row, responses):
