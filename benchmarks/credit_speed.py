@@ -81,7 +81,7 @@ def synthetic_batch(B: int, T: int, group_size: int, device: str, seed: int = 0)
     """A valid CreditBatch with every signal; token signals come from real small-vocab
     distributions (so entropy, mode_prob and logprobs are mutually consistent)."""
     from tokencredit import CreditBatch
-    from tokencredit.signals import token_signals
+    from tokencredit.engine.signals import token_signals
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max(1, T // 4), T + 1, (B,), generator=g)
@@ -205,7 +205,7 @@ def _naive(logits, tokens):
 
 
 def _variant(name: str):
-    from tokencredit.signals import token_signals
+    from tokencredit.engine.signals import token_signals
 
     if name.startswith("naive"):
         return lambda x, y: _naive(x, y)
@@ -287,7 +287,7 @@ def measure_memory(name: str, args, fixed_mmap: bool = True):
 
 
 def part2(args):
-    from tokencredit.signals import default_chunk_rows
+    from tokencredit.engine.signals import default_chunk_rows
 
     N, V = args.rows, args.vocab
     print(f"\n== part 2: signals (logprobs, entropy, mode_prob) on [{N}, {V}] float32 logits, device {args.device}")

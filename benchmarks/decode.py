@@ -70,10 +70,10 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from tokencredit.models import EMBEDDED, resolve_model
-    from tokencredit.precision import cpu_has_bf16_units
-    from tokencredit.rollout import HFRollout
-    from tokencredit.tasks import make_task
+    from tokencredit.engine.models import EMBEDDED, resolve_model
+    from tokencredit.engine.precision import cpu_has_bf16_units
+    from tokencredit.engine.rollout import HFRollout
+    from tokencredit.data.tasks import make_task
 
     batches = [int(b) for b in args.batches.split(",")]
     precisions = args.precisions.split(",")

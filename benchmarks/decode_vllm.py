@@ -49,10 +49,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     from decode import _load, gemm_gflops
 
-    from tokencredit.models import EMBEDDED, resolve_model
-    from tokencredit.rollout import HFRollout
-    from tokencredit.rollout_vllm import VLLMRollout
-    from tokencredit.tasks import make_task
+    from tokencredit.engine.models import EMBEDDED, resolve_model
+    from tokencredit.engine.rollout import HFRollout
+    from tokencredit.engine.rollout_vllm import VLLMRollout
+    from tokencredit.data.tasks import make_task
 
     fp32, bf16 = gemm_gflops(torch.float32, args.gemm_n), gemm_gflops(torch.bfloat16, args.gemm_n)
     model, tok = resolve_model(EMBEDDED, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """How much faster is the fidelity build's shared-prefix sampling than plain ``generate``? (A script, not a test.)
 
 ``tokencredit fidelity build`` samples ``M`` continuations from every prefix of a saved batch.
-Its sampler (:func:`tokencredit.fidelity.sample_continuations`) runs each prefix once and
+Its sampler (:func:`tokencredit.analysis.fidelity.sample_continuations`) runs each prefix once and
 indexes its KV cache out to the M rows (``share=True``); the baseline lets ``generate`` prefill
 all ``prefixes x M`` rows itself (``share=False``). Both run here, in the same process, on the
 same prefixes with the same seed (so they generate the same tokens, which is checked), at
@@ -40,8 +40,14 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
-    from tokencredit.fidelity import REFERENCE_SET, prompt_rows, load_estimates, response_rows, sample_continuations
-    from tokencredit.models import EMBEDDED, resolve_model
+    from tokencredit.analysis.fidelity import (
+        REFERENCE_SET,
+        prompt_rows,
+        load_estimates,
+        response_rows,
+        sample_continuations,
+    )
+    from tokencredit.engine.models import EMBEDDED, resolve_model
 
     est = load_estimates(REFERENCE_SET)
     saved = est["rollouts"]

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from tokencredit import CreditBatch
-from tokencredit.methods.ktae import KTAEConfig, ktae
+from tokencredit.credit.methods.ktae import KTAEConfig, ktae
 
 
 def main() -> None:

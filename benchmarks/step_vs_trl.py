@@ -2,10 +2,10 @@
 
 Both run the same algorithm on the same model, prompts and settings:
 
-* model: the embedded SmolLM2-135M-Instruct (``tokencredit.models.resolve_model(EMBEDDED)``), or
+* model: the embedded SmolLM2-135M-Instruct (``tokencredit.engine.models.resolve_model(EMBEDDED)``), or
   with ``--tiny`` the 2-layer random Llama of ``tokencredit.testing`` (a quick check of the script);
   ``--threads`` torch threads (and OMP/MKL threads) in both;
-* prompts: ``tokencredit.tasks.make_task(--task)``'s train split, in the order tokencredit's trainer
+* prompts: ``tokencredit.data.tasks.make_task(--task)``'s train split, in the order tokencredit's trainer
   draws them (TRL gets them in that order with ``shuffle_dataset=False``), so step i of both sees
   the same ``--prompts`` prompts; ``--generations`` samples each, at most ``--max-new-tokens`` new
   tokens, temperature ``--temperature``, top-p 1, no top-k;
@@ -70,7 +70,7 @@ def _load(args):
 
         model, tok = tiny_model_and_tokenizer(seed=args.seed, eos_bias=2.0)
     else:
-        from tokencredit.models import EMBEDDED, resolve_model
+        from tokencredit.engine.models import EMBEDDED, resolve_model
 
         model, tok = resolve_model(EMBEDDED, dtype=torch.float32)
     model.float()
@@ -78,7 +78,7 @@ def _load(args):
 
 
 def _task(args):
-    from tokencredit.tasks import make_task
+    from tokencredit.data.tasks import make_task
 
     return make_task(args.task, seed=args.seed)
 
@@ -130,8 +130,8 @@ def _emit(result: Dict[str, Any]) -> None:
 def run_ours(args) -> Dict[str, Any]:
     import torch
 
-    import tokencredit.trainer as tc_trainer
-    from tokencredit.config import LogConfig, LossConfig, OptimConfig, RolloutConfig, TrainConfig
+    import tokencredit.train.trainer as tc_trainer
+    from tokencredit.train.config import LogConfig, LossConfig, OptimConfig, RolloutConfig, TrainConfig
 
     model, tok = _load(args)
     task = _task(args)
@@ -167,7 +167,7 @@ def run_ours(args) -> Dict[str, Any]:
             phases.wrap(trainer, "_score", "reward")
             phases.wrap(trainer, "_signals", "signal passes")
             phases.wrap(trainer, "_update_policy", "loss fwd+bwd+optimizer")
-            import tokencredit.update as tc_update
+            import tokencredit.train.update as tc_update
 
             phases.wrap(tc_update, "forward_response", "  of which: model forward (loss)")
         times, cpu, tokens = [], [], []
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     p.add_argument("--retain-memory", default="on", choices=("on", "off"),
                    help="glibc keeps freed memory for the next step in both workers: ours through its "
                         "retain_memory setting (default on), TRL's through the same call at the worker's start "
-                        "(tokencredit.cpu_memory); off: glibc's default in both")
+                        "(tokencredit.engine.cpu_memory); off: glibc's default in both")
     p.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -352,13 +352,13 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
         if args.retain_memory == "on":  # the same allocator setting for both trainers
-            from tokencredit.cpu_memory import retain_freed_memory
+            from tokencredit.engine.cpu_memory import retain_freed_memory
 
             retain_freed_memory()
         _emit(run_ours(args) if args.worker == "ours" else run_trl(args))
         return 0
 
-    from tokencredit.precision import resolve_precision
+    from tokencredit.engine.precision import resolve_precision
 
     prec = resolve_precision(args.precision, "cpu")
     model = "tiny random Llama" if args.tiny else "SmolLM2-135M-Instruct (embedded)"

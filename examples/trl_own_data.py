@@ -26,7 +26,7 @@ def load_model(name: str):
         from tokencredit.testing import tiny_model_and_tokenizer
 
         return tiny_model_and_tokenizer(seed=0, eos_bias=3.0)
-    from tokencredit.models import resolve_model  # the embedded model, a hub id or a folder
+    from tokencredit.engine.models import resolve_model  # the embedded model, a hub id or a folder
 
     return resolve_model(name)
 

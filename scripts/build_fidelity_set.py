@@ -12,7 +12,7 @@
    unchanged), so the batch carries every signal and the credit state exactly as a run saves
    them (``Trainer.save_rollouts``).
 3. Monte Carlo ``V(h_t)`` at every ``--stride``-th position, ``-M`` continuations each, from
-   that same policy (``tokencredit.fidelity.build_estimates``), with the shared-prefix KV
+   that same policy (``tokencredit.analysis.fidelity.build_estimates``), with the shared-prefix KV
    cache; the first ``--baseline-batches`` batches are also run with plain ``generate`` for
    the throughput figure.
 
@@ -80,7 +80,14 @@ def parse():
 
 
 def train_config(a, credit: str, output_dir: Path):
-    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.train.config import (
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TaskConfig,
+        TrainConfig,
+    )
 
     return TrainConfig(
         credit=credit, steps=a.steps, seed=a.seed, threads=a.threads, output_dir=str(output_dir),
@@ -95,9 +102,9 @@ def train_config(a, credit: str, output_dir: Path):
 
 def critic_runs(a, work: Path) -> int:
     """Train a run of each ``--critic-runs`` method and attach its critic to ``--output``."""
-    from tokencredit import fidelity
-    from tokencredit.checkpoint import latest_checkpoint
-    from tokencredit.trainer import Trainer
+    from tokencredit.analysis import fidelity
+    from tokencredit.train.checkpoint import latest_checkpoint
+    from tokencredit.train.trainer import Trainer
 
     for credit in a.critic_runs.split(","):
         run = work / f"run_{credit}"
@@ -112,7 +119,7 @@ def critic_runs(a, work: Path) -> int:
 
 def chosen_rows(spec: str, saved) -> list:
     """The response indices ``--rows`` names."""
-    from tokencredit.fidelity import mixed_groups
+    from tokencredit.analysis.fidelity import mixed_groups
 
     groups = torch.as_tensor(saved["signals"]["group_ids"]).tolist()
     if spec == "all":
@@ -129,9 +136,15 @@ def chosen_rows(spec: str, saved) -> list:
 def main() -> int:
     a = parse()
     torch.set_num_threads(a.threads)
-    from tokencredit.fidelity import build_estimates, format_table, load_estimates, sample_batch, score
-    from tokencredit.tasks import score_safely
-    from tokencredit.trainer import Trainer
+    from tokencredit.analysis.fidelity import (
+        build_estimates,
+        format_table,
+        load_estimates,
+        sample_batch,
+        score,
+    )
+    from tokencredit.data.tasks import score_safely
+    from tokencredit.train.trainer import Trainer
 
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)

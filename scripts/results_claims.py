@@ -4,7 +4,7 @@
 
 For each seed it takes the last saved eval batch of the ``arca`` runs (LoRA: every signal is
 saved there, the adapter residual included) and replays every method on those identical
-rollouts (``tokencredit.inspector.replay``). It prints per method: weight Gini and
+rollouts (``tokencredit.analysis.inspector.replay``). It prints per method: weight Gini and
 effective-token ratio (ARCA's degeneracy diagnostics), the share of |credit| carried by the top
 10% of tokens of each trajectory (OPPO's "credit concentrates on pivotal tokens"), and for TACO
 the positive credit kept on tail tokens against the rest. It reads the training curves too:
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from tokencredit.compare import read_metrics
-from tokencredit.inspector import find_rollouts, load_rollouts, replay, saved_batch
-from tokencredit.methods.taco import tail_risk
+from tokencredit.analysis.compare import read_metrics
+from tokencredit.analysis.inspector import find_rollouts, load_rollouts, replay, saved_batch
+from tokencredit.credit.methods.taco import tail_risk
 
 SPECS = ["grpo", "taco", "stare", "acpo", "arca", "surprisal", "entropy", "divergence", "oppo"]
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tokencredit import CreditBatch, CreditPipeline
-from tokencredit.methods.oppo import OPPOConfig, oppo
+from tokencredit.credit.methods.oppo import OPPOConfig, oppo
 
 from test_pact import HORIZON, VOCAB, TabularWorld
 
@@ -164,7 +164,7 @@ def test_pact_ideal_opd_teacher_is_an_implicit_critic(eos):
     pi*/pi - 1 = c / V(h), so the expected gradient of that ratio reward is exactly the token
     credit's, times 1 / V(h) > 0 (proportional, state by state); OPD's log reward is its first
     order (log(1 + x) = x + O(x^2)), within |log(1 + x) - x| of it in every state."""
-    from tokencredit.methods.opd import OPDConfig, opd
+    from tokencredit.credit.methods.opd import OPDConfig, opd
 
     world = TabularWorld(eos=eos, seed=1)
     index = _params(world)

@@ -96,7 +96,7 @@ def test_own_data_and_trl_rewards_through_the_command_line_then_export(tmp_path,
     # the exported weights are the run's last checkpoint's, not the base model's
     import torch
 
-    from tokencredit.checkpoint import load_latest_checkpoint
+    from tokencredit.train.checkpoint import load_latest_checkpoint
 
     _, state = load_latest_checkpoint(folder / "run" / "checkpoints")
     params = dict(model.named_parameters())
@@ -111,7 +111,7 @@ def test_a_reward_failing_on_every_call_stops_the_run_with_one_line(tmp_path, mo
     import contextlib
     import io
 
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
     from tokencredit.cli import main
     from tokencredit.testing import tiny_model_and_tokenizer
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.methods.acpo import ACPOConfig, acpo, entropy_bounds, surrogate_entropy
+from tokencredit.credit.methods.acpo import ACPOConfig, acpo, entropy_bounds, surrogate_entropy
 
 from helpers import make_batch, pad_batch
 

@@ -15,9 +15,14 @@ from hypothesis import strategies as st
 
 import tokencredit as tc
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.losses import PPOLossConfig, ppo_loss
-from tokencredit.methods.arca import ARCAConfig, normalize_salience
-from tokencredit.methods.intrinsic import DivergenceConfig, EntropyConfig, SurprisalConfig, entropy_reduction
+from tokencredit.credit.losses import PPOLossConfig, ppo_loss
+from tokencredit.credit.methods.arca import ARCAConfig, normalize_salience
+from tokencredit.credit.methods.intrinsic import (
+    DivergenceConfig,
+    EntropyConfig,
+    SurprisalConfig,
+    entropy_reduction,
+)
 
 from helpers import make_batch, pad_batch
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline, compute_credit
-from tokencredit.methods.gae import GAEConfig, gae_advantages, masked_whiten, outcome_token_rewards
+from tokencredit.credit.methods.gae import GAEConfig, gae_advantages, masked_whiten, outcome_token_rewards
 
 from helpers import make_batch, pad_batch
 

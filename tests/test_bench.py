@@ -11,10 +11,10 @@ from functools import partial
 import pytest
 import torch
 
-from tokencredit import bench
-from tokencredit.bench_policy import bench_policy
-from tokencredit.controlled import CONTROLLED, REWARDS, build
-from tokencredit.exactvalue import ExactValueError, alphabet_ids, batch_true_values, prompt_values
+from tokencredit.analysis import bench
+from tokencredit.analysis.bench_policy import bench_policy
+from tokencredit.data.controlled import CONTROLLED, REWARDS, build
+from tokencredit.engine.exactvalue import ExactValueError, alphabet_ids, batch_true_values, prompt_values
 
 TASKS = ("keytok", "carry", "fork")
 
@@ -81,7 +81,7 @@ def test_a_policy_with_mass_outside_the_alphabet_is_refused_in_one_line():
 
 @pytest.mark.parametrize("task", TASKS)
 def test_initial_success_rate_is_between_5_and_50_percent(task, quick):
-    from tokencredit.bench_policy import cached_policy
+    from tokencredit.analysis.bench_policy import cached_policy
 
     model, tok = cached_policy(task, 0, quick[0] / "init")  # the quick bench's seed-0 policy (warm-started once)
     _, ev = build(task, 0, 100, 64)
@@ -101,7 +101,7 @@ def test_rewards_read_what_the_task_says():
 
 
 def _credit_batch(B=5, T=6, seed=0):
-    from tokencredit.batch import CreditBatch
+    from tokencredit.credit.batch import CreditBatch
 
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor([6, 3, 1, 6, 4])
@@ -112,7 +112,7 @@ def _credit_batch(B=5, T=6, seed=0):
 
 @pytest.mark.parametrize("normalize", ["none", "group", "batch"])
 def test_oracle_credit_telescopes_to_reward_minus_v0(normalize):
-    from tokencredit.methods.oracle import OracleConfig, oracle, true_credit
+    from tokencredit.credit.methods.oracle import OracleConfig, oracle, true_credit
 
     cb = _credit_batch()
     out = oracle(cb, OracleConfig(normalize=normalize))
@@ -129,10 +129,10 @@ def test_oracle_credit_telescopes_to_reward_minus_v0(normalize):
 
 
 def test_plan_refuses_oracle_without_a_response_space():
-    from tokencredit.config import ConfigError, ModelConfig, TaskConfig, TrainConfig
-    from tokencredit.plan import PlanError, plan_signals
-    from tokencredit.spec import CreditPipeline
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.config import ConfigError, ModelConfig, TaskConfig, TrainConfig
+    from tokencredit.credit.plan import PlanError, plan_signals
+    from tokencredit.credit.spec import CreditPipeline
+    from tokencredit.train.trainer import Trainer
 
     with pytest.raises(PlanError, match="oracle reads true_values .* expected a task with a response space"):
         plan_signals(CreditPipeline("oracle"), lora=False)
@@ -175,8 +175,8 @@ def test_quick_bench_writes_a_report_with_every_task_and_spec(quick):
 def test_quick_bench_success_is_the_exact_value_of_the_trained_policy(quick):
     """The logged success of an oracle run's last step is V(h_0) of its final weights, which
     equals the brute-force sum."""
-    from tokencredit.checkpoint import load_latest_checkpoint
-    from tokencredit.compare import read_metrics
+    from tokencredit.train.checkpoint import load_latest_checkpoint
+    from tokencredit.analysis.compare import read_metrics
 
     out, _ = quick
     run = out / "keytok" / "oracle" / "seed1"
@@ -245,7 +245,7 @@ class _Interrupting:
 
 
 def test_a_resumed_bench_equals_an_uninterrupted_one(tmp_path):
-    from tokencredit.compare import read_metrics
+    from tokencredit.analysis.compare import read_metrics
 
     kw = dict(tasks="keytok", specs="grpo,oracle", seeds="0", quick=True, progress=False, workers=1)
     whole = bench.run_bench(output_dir=tmp_path / "whole", **kw)

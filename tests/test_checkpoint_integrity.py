@@ -29,10 +29,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokencredit.checkpoint import CheckpointError, CheckpointWarning, load_checkpoint, load_latest_checkpoint, save_checkpoint
-from tokencredit.export import ExportError, export_run
+from tokencredit.train.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from tokencredit.train.export import ExportError, export_run
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 
 from test_reliability import TINY_FLAGS, _cfg, _cli, _trainer, tiny_cli  # noqa: F401  (tiny_cli: a fixture)
 
@@ -114,7 +120,7 @@ def test_a_tensor_replaced_by_a_scalar_is_refused_never_broadcast(tmp_path, tiny
     with pytest.raises(CheckpointError, match=r"step_00000002"):
         export_run(str(out), str(tmp_path / "exp"), checkpoint=2)
     # fidelity's run loader (fidelity build/score RUN --checkpoint): refused, never broadcast
-    from tokencredit.fidelity.cli import FidelityError, _load_run
+    from tokencredit.analysis.fidelity.cli import FidelityError, _load_run
 
     with pytest.raises(FidelityError, match=r"expected a float32 tensor of shape"):
         _load_run(out, _ck(out, 2))
@@ -144,7 +150,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_it(tmp_path, tiny_cli):
 
 
 def test_non_finite_weights_are_never_saved_and_a_non_finite_checkpoint_is_not_the_last_good_one(tmp_path, tiny_cli):
-    from tokencredit.update import NonFiniteError
+    from tokencredit.train.update import NonFiniteError
 
     out = _run(tmp_path, steps=1)
     state = torch.load(_ck(out, 1) / "state.pt", weights_only=True)
@@ -312,7 +318,7 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_no_temporary_file(tmp_
 
 
 def test_a_full_disk_during_fidelity_build_is_one_line_and_leaves_no_temporary_file(tmp_path, monkeypatch):
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
     from tokencredit.cli import main
 
     monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
@@ -341,7 +347,7 @@ def test_a_full_disk_during_fidelity_build_is_one_line_and_leaves_no_temporary_f
 
 
 def test_a_run_killed_before_its_first_checkpoint_offers_overwrite(tmp_path, tiny_cli, monkeypatch):
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     def killed(self):
         raise Killed

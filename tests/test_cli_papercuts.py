@@ -10,7 +10,7 @@ import io
 import pytest
 
 from tokencredit.cli import main
-from tokencredit.config import ConfigError, TrainConfig, load_config
+from tokencredit.train.config import ConfigError, TrainConfig, load_config
 
 
 def _run(argv):
@@ -48,9 +48,9 @@ def test_yaml_exponent_floats_are_floats(tmp_path):
 def test_a_missing_tensorboard_is_one_line_before_any_model(tmp_path, monkeypatch):
     import importlib.util
 
-    import tokencredit.models as models
-    from tokencredit.config import LogConfig
-    from tokencredit.trainer import Trainer
+    import tokencredit.engine.models as models
+    from tokencredit.train.config import LogConfig
+    from tokencredit.train.trainer import Trainer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))

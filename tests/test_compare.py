@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tokencredit import compare
-from tokencredit.compare import (
+from tokencredit.analysis import compare
+from tokencredit.analysis.compare import (
     load_results,
     parse_seeds,
     parse_specs,
@@ -21,9 +21,16 @@ from tokencredit.compare import (
     run_dir_name,
     summarize,
 )
-from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+from tokencredit.train.config import (
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+)
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 
 SPECS = ["grpo", "grpo+taco"]
 SEEDS = [0, 1]
@@ -167,7 +174,7 @@ def test_rerun_skips_finished_runs(compared, monkeypatch):
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(compare, "_default_trainer", boom)
-    monkeypatch.setattr("tokencredit.trainer.Trainer", boom)
+    monkeypatch.setattr("tokencredit.train.trainer.Trainer", boom)
     result = run_compare(_base(), SPECS, SEEDS, out, progress=False)
     assert set(result["runs"].values()) == {"skipped"}
     assert {p: _lines(p) for p in out.glob("*/seed*/metrics.jsonl")} == before
@@ -357,7 +364,7 @@ def test_compare_parses_each_spec_once(tmp_path, monkeypatch):
     of each spec (a TrainConfig checking its own ``credit`` field when built is not compare's)."""
     import sys
 
-    import tokencredit.spec as spec_module
+    import tokencredit.credit.spec as spec_module
     from tokencredit.cli import main
 
     real, calls = spec_module.parse_spec, []

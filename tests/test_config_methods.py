@@ -22,7 +22,7 @@ import yaml
 
 from tokencredit import get_method
 from tokencredit.cli import main
-from tokencredit.config import (
+from tokencredit.train.config import (
     ConfigError,
     MethodConfigs,
     TrainConfig,
@@ -57,7 +57,7 @@ def _cli(argv):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the error")
@@ -182,7 +182,7 @@ def test_only_the_methods_of_the_spec_may_be_set_and_the_trainer_gets_them(no_mo
 
 def test_the_trainer_runs_with_the_merged_configs(tmp_path):
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(credit="grpo+taco", output_dir=str(tmp_path / "run"), credit_config={"taco": {"lam": 0.5}},
                       credit_args=("taco.alpha=0.02",))
@@ -316,7 +316,7 @@ def test_a_config_json_written_before_credit_config_resumes_and_a_changed_settin
 
 
 def test_train_with_a_method_flag_writes_it_to_config_json_and_resumes(tmp_path, monkeypatch):
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
     from tokencredit.testing import tiny_model_and_tokenizer
 
     monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
@@ -339,7 +339,7 @@ def test_train_with_a_method_flag_writes_it_to_config_json_and_resumes(tmp_path,
 
 
 def test_credit_config_for_keeps_only_the_settings_of_one_spec():
-    from tokencredit.config import credit_config_for
+    from tokencredit.train.config import credit_config_for
 
     base = TrainConfig(credit_config={"taco": {"lam": 0.5}, "stare": {"P": 0.2}}).credit_config
     only_taco = credit_config_for(base, "grpo+taco")
@@ -349,8 +349,8 @@ def test_credit_config_for_keeps_only_the_settings_of_one_spec():
 
 
 def test_compare_gives_each_run_its_own_methods_settings(tmp_path):
-    from tokencredit.compare import _check_credit_args, run_config
-    from tokencredit.config import load_config
+    from tokencredit.analysis.compare import _check_credit_args, run_config
+    from tokencredit.train.config import load_config
 
     base = load_config(None, ["--credit", "grpo+taco", "--credit-config.taco.lam", "0.5"])
     taco = run_config(base, "grpo+taco", 0, tmp_path / "a")

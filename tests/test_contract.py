@@ -187,3 +187,44 @@ def test_metrics_are_namespaced_floats():
         out = CreditPipeline(spec)(batch)
         for k, v in out.metrics.items():
             assert "/" in k and isinstance(v, float), (spec, k, v)
+
+
+def _registered_method_bodies():
+    """(method name, source file, the registered function's AST) for every built-in method."""
+    import ast
+    import inspect
+
+    out = []
+    for name in tc.list_methods():
+        fn = inspect.unwrap(tc.get_method(name).fn)
+        path = inspect.getsourcefile(fn)
+        tree = ast.parse(open(path).read())
+        node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == fn.__name__)
+        out.append((name, path, node))
+    return out
+
+
+def test_a_method_states_its_signals_once_in_its_registration():
+    """The decorator's ``requires`` is the one statement of what a method reads: no method body
+    repeats it with ``batch.require``."""
+    import ast
+
+    repeats = [f"{name} ({path}:{n.lineno})" for name, path, body in _registered_method_bodies()
+               for n in ast.walk(body)
+               if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "require"]
+    assert not repeats, repeats
+
+
+@pytest.mark.parametrize("name", sorted(tc.list_methods()))
+def test_a_direct_call_without_a_declared_signal_names_it(name):
+    """Calling a registered method directly (not through a pipeline) on a batch lacking one of its
+    declared signals fails as the pipeline would: a CreditInputError naming the field."""
+    info = tc.get_method(name)
+    if not info.requires:
+        pytest.skip(f"{name} reads no signal beyond rewards and the mask")
+    missing = sorted(info.requires)[0]
+    batch = make_batch(8, 6, 4, seed=3, signals=sorted(info.requires - {missing}))
+    cfg = info.config_cls()
+    args = (cfg,) if info.kind == "estimator" else (torch.zeros(batch.mask.shape), cfg, None)
+    with pytest.raises(tc.CreditInputError, match=f"{missing}: method '{name}' needs this signal"):
+        info.fn(batch, *args)

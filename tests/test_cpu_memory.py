@@ -45,16 +45,16 @@ def _faults(setup: str) -> dict:
 
 def test_retained_memory_is_reused_without_fresh_pages():
     default = _faults("pass")
-    retained = _faults("from tokencredit.cpu_memory import retain_freed_memory\nassert retain_freed_memory()")
+    retained = _faults("from tokencredit.engine.cpu_memory import retain_freed_memory\nassert retain_freed_memory()")
     # glibc's default: the 256 MB block is mmapped afresh and every page faults on first touch
     assert default["faults"] > 0.5 * default["pages"], default
     assert retained["faults"] < 0.05 * retained["pages"], retained
 
 
 TRAINER = """
-from tokencredit.config import ModelConfig, TaskConfig, TrainConfig
+from tokencredit.train.config import ModelConfig, TaskConfig, TrainConfig
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 import tempfile
 model, tok = tiny_model_and_tokenizer(seed=0)
 Trainer(TrainConfig(output_dir=tempfile.mkdtemp() + "/run", device="cpu", retain_memory=RETAIN,

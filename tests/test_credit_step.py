@@ -1,4 +1,4 @@
-"""The trainer-neutral credit step (``tokencredit.spec``): ``CreditPipeline.estimate`` (the
+"""The trainer-neutral credit step (``tokencredit.credit.spec``): ``CreditPipeline.estimate`` (the
 driver's half: the controllers' step, the estimator) and ``CreditPipeline.calibrate`` (the
 workers' half: the calibrators, the token-weights product) compose to ``CreditPipeline``'s whole
 result; the verl worker's calibration is that same function; ``credit_batch`` builds the batch
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tokencredit import CreditBatch, CreditPipeline
-from tokencredit.batch import CreditInputError
-from tokencredit.spec import credit_batch
+from tokencredit.credit.batch import CreditInputError
+from tokencredit.credit.spec import credit_batch
 
 B, T = 6, 7
 # two calibrators that weigh tokens (the product is tested), a stateful one with a moving state
@@ -126,7 +126,7 @@ def test_state_signals_are_declared_and_enough():
 def test_one_credit_state_file_for_every_integration(tmp_path):
     import json
 
-    from tokencredit.spec import load_credit_state, save_credit_state
+    from tokencredit.credit.spec import load_credit_state, save_credit_state
 
     a = CreditPipeline("grpo+stare", stare={"adaptive": True})
     a.update_state(_batch())

@@ -1,4 +1,4 @@
-"""Own data through `datasets` (tokencredit.datasource): the layouts users bring (a JSONL of
+"""Own data through `datasets` (tokencredit.data.datasource): the layouts users bring (a JSONL of
 question/solution, TRL's prompt-only and conversational layouts, verl's parquet, CSV, a folder of
 splits) load without conversion; columns, templates, system prompts and eval splits are the
 user's choice; a missing column is one line naming it and the columns present, before any model."""
@@ -11,9 +11,9 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from tokencredit.config import DataConfig, ModelConfig, TaskConfig, TrainConfig  # noqa: E402
-from tokencredit.datasource import DatasetError, load_own_data  # noqa: E402
-from tokencredit.tasks import make_data_task  # noqa: E402
+from tokencredit.train.config import DataConfig, ModelConfig, TaskConfig, TrainConfig  # noqa: E402
+from tokencredit.data.datasource import DatasetError, load_own_data  # noqa: E402
+from tokencredit.data.tasks import make_data_task  # noqa: E402
 
 
 def _jsonl(path, rows):
@@ -116,8 +116,8 @@ def test_a_bad_jsonl_line_is_named(tmp_path):
 
 
 def test_the_trainer_refuses_a_missing_column_before_any_model_loads(tmp_path, monkeypatch):
-    import tokencredit.models as models
-    from tokencredit.trainer import Trainer
+    import tokencredit.engine.models as models
+    from tokencredit.train.trainer import Trainer
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the error")
@@ -130,8 +130,8 @@ def test_the_trainer_refuses_a_missing_column_before_any_model_loads(tmp_path, m
 
 
 def test_own_data_without_an_answer_needs_reward_funcs(tmp_path):
-    from tokencredit.rewards import RewardFnError
-    from tokencredit.trainer import Trainer
+    from tokencredit.data.rewards import RewardFnError
+    from tokencredit.train.trainer import Trainer
 
     rows = [{"prompt": f"Write {i}"} for i in range(5)]
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"), task=TaskConfig(n_eval=1),
@@ -145,7 +145,7 @@ def test_own_data_without_an_answer_needs_reward_funcs(tmp_path):
 def test_a_config_from_before_the_data_and_reward_sections_matches_their_defaults():
     """A run written before `data` / `reward` existed trained with their defaults: --resume and
     compare recognise it; a changed reward setting is still a difference."""
-    from tokencredit.config import config_diff, config_to_dict
+    from tokencredit.train.config import config_diff, config_to_dict
 
     new = json.loads(json.dumps(config_to_dict(TrainConfig())))
     old = {k: v for k, v in new.items() if k not in ("data", "reward")}
@@ -159,7 +159,7 @@ def test_without_an_eval_choice_a_tenth_is_held_out_and_said(tmp_path, caplog):
     and the log says how to choose otherwise."""
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="tokencredit.datasource"):
+    with caplog.at_level(logging.WARNING, logger="tokencredit.data.datasource"):
         d = load_own_data(DataConfig(path=_jsonl(tmp_path / "qa.jsonl", _qa(22)), prompt_column="question"),
                           seed=0, n_train=100, n_eval=32)
     assert (len(d.train), len(d.eval)) == (20, 2)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import tokencredit as tc
 from tokencredit import CreditInputError, CreditOutput, CreditPipeline
-from tokencredit.diagnostics import (
+from tokencredit.credit.diagnostics import (
     credit_diagnostics,
     credit_mass,
     effective_token_ratio,

@@ -15,7 +15,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_the_own_data_yaml_trains(tmp_path, monkeypatch):
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
     from tokencredit.cli import main
     from tokencredit.testing import tiny_model_and_tokenizer
 

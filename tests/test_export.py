@@ -9,10 +9,17 @@ import json
 import pytest
 import torch
 
-from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-from tokencredit.export import ExportError, export_run
+from tokencredit.train.config import (
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+)
+from tokencredit.train.export import ExportError, export_run
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 
 
 def crc_reward(completion, example):

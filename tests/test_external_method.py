@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import tokencredit as tc
-from tokencredit import registry
-from tokencredit.registry import CreditOutput, OraclePass, register_calibrator, register_estimator
-from tokencredit.spec import CreditPipeline
+from tokencredit.credit import registry
+from tokencredit.credit.registry import CreditOutput, OraclePass, register_calibrator, register_estimator
+from tokencredit.credit.spec import CreditPipeline
 from tokencredit.testing import tiny_model_and_tokenizer
 
 EST, CAL = "ext_toy_oracle", "ext_toy_entropy"  # unique names: the registry refuses duplicates
@@ -118,8 +118,8 @@ def _check_credit(batch, advantages, est_saw, cal_saw):
 def test_own_trainer_runs_the_declared_pass_and_signal(tmp_path):
     from test_trainer import _cfg
 
-    from tokencredit.tasks import make_task
-    from tokencredit.trainer import Trainer
+    from tokencredit.data.tasks import make_task
+    from tokencredit.train.trainer import Trainer
 
     class Spy(Trainer):
         """Recomputes, when the trainer computes its signals (before the update), the oracle

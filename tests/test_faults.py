@@ -29,11 +29,18 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tokencredit.checkpoint import _CheckpointFile, latest_checkpoint
-from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-from tokencredit.runfolder import MetricsWriter
+from tokencredit.train.checkpoint import _CheckpointFile, latest_checkpoint
+from tokencredit.train.config import (
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+)
+from tokencredit.train.runfolder import MetricsWriter
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 
 STEPS = 3
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tokencredit.fidelity import (
+from tokencredit.analysis.fidelity import (
     FidelityConfig,
     FidelityError,
     build_estimates,
@@ -248,7 +248,7 @@ def test_exact_credit_is_perfect_and_an_anti_correlated_method_is_below_uniform(
 def test_span_sums_and_bootstrap_interval_covers_the_mean():
     a = torch.arange(7.0)
     assert span_sums(a, 7, 3).tolist() == [3.0, 12.0, 6.0]
-    from tokencredit.fidelity import bootstrap_mean
+    from tokencredit.analysis.fidelity import bootstrap_mean
 
     b = bootstrap_mean([0.1, 0.5, float("nan"), 0.9, 0.3], FidelityConfig(n_boot=200))
     assert b["n"] == 4 and b["mean"] == pytest.approx(0.45)
@@ -281,8 +281,8 @@ def test_shared_prefix_continuations_equal_plain_generate_and_respect_budgets():
 
 
 def test_check_policy_refuses_another_model():
-    from tokencredit.fidelity import check_policy
-    from tokencredit.rollout import HFRollout
+    from tokencredit.analysis.fidelity import check_policy
+    from tokencredit.engine.rollout import HFRollout
     from tokencredit.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(seed=0, eos_bias=3.0)
@@ -303,8 +303,8 @@ def test_check_policy_refuses_another_model():
 
 def test_inspect_shows_true_credit_when_the_batch_has_estimates(tmp_path):
     from tokencredit.cli import main
-    from tokencredit.fidelity import load_estimates, rollouts_with_true_credit, token_credit
-    from tokencredit.inspector import load_rollouts, render_html, replay
+    from tokencredit.analysis.fidelity import load_estimates, rollouts_with_true_credit, token_credit
+    from tokencredit.analysis.inspector import load_rollouts, render_html, replay
 
     world = TabularWorld(eos=True, seed=0)
     est, saved, seqs = build_world(tmp_path, world, 4)
@@ -372,7 +372,7 @@ def hand_estimates():
 
 
 def test_ties_share_the_top_places_and_undefined_cases_are_nan():
-    from tokencredit.fidelity import top_weights
+    from tokencredit.analysis.fidelity import top_weights
 
     x = torch.tensor([3.0, 1.0, 3.0, 2.0])
     assert top_weights(x, 1).tolist() == [0.5, 0.0, 0.5, 0.0]
@@ -390,7 +390,7 @@ def test_ties_share_the_top_places_and_undefined_cases_are_nan():
 
 
 def test_bootstrap_resamples_prompt_groups_and_se_is_never_zero():
-    from tokencredit.fidelity import bootstrap_mean, spearman_brown, standard_errors
+    from tokencredit.analysis.fidelity import bootstrap_mean, spearman_brown, standard_errors
 
     v = [0.0] * 4 + [1.0] * 4
     cfg = FidelityConfig(n_boot=400)
@@ -407,7 +407,7 @@ def test_bootstrap_resamples_prompt_groups_and_se_is_never_zero():
 
 
 def test_claims_hand_case():
-    from tokencredit.fidelity import claims, format_claims
+    from tokencredit.analysis.fidelity import claims, format_claims
 
     cl = claims(hand_estimates(), ("grpo",))
     assert (cl["trajectories"], cl["successful"]) == (2, 1)
@@ -455,7 +455,7 @@ def test_cli_prints_the_claims(tmp_path, capsys):
 
 
 def test_uniform_credit_has_no_rank_correlation_even_with_a_short_last_span():
-    from tokencredit.fidelity import row_scores, is_constant
+    from tokencredit.analysis.fidelity import row_scores, is_constant
 
     # 7 tokens of uniform credit in spans of 4: span sums (4, 3) differ only by span length
     a = torch.full((7,), 0.5)
@@ -491,7 +491,7 @@ def test_rows_estimates_only_those_responses_and_a_later_build_extends_the_file(
 
 
 def test_a_method_is_scored_with_the_critic_attached_for_it(tmp_path):
-    from tokencredit.fidelity import attach_critic
+    from tokencredit.analysis.fidelity import attach_critic
 
     est, saved, seqs, exact = exact_estimate(tmp_path)
     T = saved["signals"]["response_mask"].shape[1]
@@ -518,9 +518,9 @@ def test_a_method_is_scored_with_the_critic_attached_for_it(tmp_path):
 
 
 def _tiny_run(tmp_path, credit, steps=2):
-    from tokencredit.config import LogConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.train.config import LogConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(
         credit=credit, steps=steps, seed=0, save_every=1, output_dir=str(tmp_path / credit),
@@ -539,7 +539,7 @@ def test_build_from_a_run_and_its_critic_reproduce_the_saved_batch(tmp_path, mon
     """End to end on a tiny gae run: `fidelity build RUN` estimates the batch of the last step
     from the checkpoint before it, and `fidelity critic` evaluated at that checkpoint gives back
     exactly the values the run saved with the batch (the same states, the same head)."""
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
     from tokencredit.cli import main
     from tokencredit.testing import tiny_model_and_tokenizer
 
@@ -577,7 +577,7 @@ def test_build_from_a_run_and_its_critic_reproduce_the_saved_batch(tmp_path, mon
 
 
 def test_build_samples_its_own_batch_from_a_model_and_task_and_resumes(tmp_path, monkeypatch):
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
     from tokencredit.cli import main
     from tokencredit.testing import tiny_model_and_tokenizer
 
@@ -618,9 +618,9 @@ def test_build_offers_only_flags_it_accepts_and_overwrite_moves_the_old_build_as
     --output-dir)."""
     import re
 
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
     from tokencredit.cli import main
-    from tokencredit.fidelity.cli import _build_parser
+    from tokencredit.analysis.fidelity.cli import _build_parser
     from tokencredit.testing import tiny_model_and_tokenizer
 
     def no_model(*a, **k):
@@ -670,10 +670,17 @@ def test_build_offers_only_flags_it_accepts_and_overwrite_moves_the_old_build_as
 def test_sample_batch_keeps_every_signal_and_leaves_the_weights(tmp_path):
     """Mid-run (a step that would not save its rollouts) the batch still carries every signal a
     replay needs, and the step at learning rate 0 changes no weight, the learning rate restored."""
-    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-    from tokencredit.fidelity import sample_batch
+    from tokencredit.train.config import (
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TaskConfig,
+        TrainConfig,
+    )
+    from tokencredit.analysis.fidelity import sample_batch
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(credit="grpo", steps=50, seed=0, output_dir=str(tmp_path / "r"), model=ModelConfig(name="tiny", lora=True),
                       task=TaskConfig(name="add1", n_train=16, n_eval=2, reward_fn="test_reliability:crc_reward"),
@@ -697,8 +704,8 @@ def test_the_bundled_reference_set_scores_every_method_with_its_own_critic():
     """The shipped set is what docs/fidelity.md describes: 64 complete responses in 16 groups,
     M = 16, every signal of its build (no method left unscored but those reading a signal added
     since: OTB's sum_pi_squared, VinePPO's continuation values), gae with the critic of its own run."""
-    from tokencredit.fidelity import REFERENCE_SET, complete_rows
-    from tokencredit.registry import get_method, list_methods
+    from tokencredit.analysis.fidelity import REFERENCE_SET, complete_rows
+    from tokencredit.credit.registry import get_method, list_methods
 
     est = load_estimates(REFERENCE_SET)
     assert est["settings"]["M"] == 16 and bool(complete_rows(est).all()) and len(complete_rows(est)) == 64
@@ -720,7 +727,7 @@ def test_the_bundled_reference_set_scores_every_method_with_its_own_critic():
 def test_the_bundled_per_token_set_is_the_same_batch_at_every_position():
     """The per-token set holds the span set's batch (same fingerprint), V at every position of
     the mixed-outcome groups' responses and nowhere else, and gae's own critic."""
-    from tokencredit.fidelity import REFERENCE_SET, REFERENCE_TOKENS, complete_rows
+    from tokencredit.analysis.fidelity import REFERENCE_SET, REFERENCE_TOKENS, complete_rows
 
     spans, tokens = load_estimates(REFERENCE_SET), load_estimates(REFERENCE_TOKENS)
     assert tokens["fingerprint"] == spans["fingerprint"] and tokens["settings"]["stride"] == 1
@@ -741,7 +748,7 @@ def test_the_bundled_crn_set_is_the_per_token_batch_and_halves_agree_where_indep
     the rank correlation perfect credit could reach is at least 0.8 (0.92) against 0.21."""
     import copy
 
-    from tokencredit.fidelity import REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, complete_rows
+    from tokencredit.analysis.fidelity import REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, complete_rows
 
     ind, crn = load_estimates(REFERENCE_TOKENS), load_estimates(REFERENCE_TOKENS_CRN)
     assert crn["fingerprint"] == ind["fingerprint"] and crn["settings"]["crn"] is True
@@ -771,7 +778,7 @@ def test_the_bundled_crn_span_set_is_the_span_batch_and_sharper_than_it():
     above 0.6 where the independently sampled span set's is below 0.3 (0.72 against 0.15 in
     docs/fidelity.md), and the rank correlation perfect credit could reach is at least 0.8 (0.91)
     against below 0.6 (0.51)."""
-    from tokencredit.fidelity import REFERENCE_SET, REFERENCE_SPANS_CRN, complete_rows
+    from tokencredit.analysis.fidelity import REFERENCE_SET, REFERENCE_SPANS_CRN, complete_rows
 
     ind, crn = load_estimates(REFERENCE_SET), load_estimates(REFERENCE_SPANS_CRN)
     assert crn["fingerprint"] == ind["fingerprint"] and crn["settings"]["crn"] is True
@@ -792,9 +799,14 @@ def test_paired_se_of_c_is_the_continuation_wise_difference_and_small_under_crn(
     """``claims``' paired SE of c: sd over m of (x_m(h_next) - x_m(h_p)) / sqrt(M), recomputed by
     hand for a row's first and last span (R after the last); on the CRN set it is a small fraction
     of the SE that independent estimates would have, on the independent per-token set close to it."""
-    from tokencredit.fidelity import REFERENCE_TOKENS, REFERENCE_TOKENS_CRN, mc_positions, standard_errors
-    from tokencredit.fidelity.claims import paired_c_se
-    from tokencredit.fidelity.metrics import scored_rows
+    from tokencredit.analysis.fidelity import (
+        REFERENCE_TOKENS,
+        REFERENCE_TOKENS_CRN,
+        mc_positions,
+        standard_errors,
+    )
+    from tokencredit.analysis.fidelity.claims import paired_c_se
+    from tokencredit.analysis.fidelity.metrics import scored_rows
 
     ratio = {}
     for name, ref in (("ind", REFERENCE_TOKENS), ("crn", REFERENCE_TOKENS_CRN)):

@@ -1,4 +1,4 @@
-"""Common random numbers for the continuations of neighbouring prefixes (tokencredit.fidelity.crn): the
+"""Common random numbers for the continuations of neighbouring prefixes (tokencredit.analysis.fidelity.crn): the
 Gumbel-max draw samples the softmax, the noise is a function of (row, continuation, position),
 continuations of h_t and h_{t+1} coincide once the first draws the response's own token, and on
 the tabular world the estimate of c_t gets closer to the exact credit at the same M."""
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from tokencredit.fidelity import build_estimates, credit_spans, sample_continuations, span_values
-from tokencredit.fidelity.crn import gumbel_choice, gumbel_noise
+from tokencredit.analysis.fidelity import build_estimates, credit_spans, sample_continuations, span_values
+from tokencredit.analysis.fidelity.crn import gumbel_choice, gumbel_noise
 
 from test_fidelity import DigitTokenizer, exact_values, world_reward, world_sampler, world_saved
 from test_pact import HORIZON, TabularWorld

@@ -1,4 +1,4 @@
-"""The exact tier (tokencredit.fidelity.exact): V by enumerating every continuation of a restricted policy,
+"""The exact tier (tokencredit.analysis.fidelity.exact): V by enumerating every continuation of a restricted policy,
 checked against an independent brute-force sum on the tiny model, and scored as a fidelity file
 whose split-half reference is exactly 1."""
 
@@ -11,8 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokencredit.fidelity import FidelityConfig, load_estimates, score, token_credit
-from tokencredit.fidelity.exact import RestrictedPolicy, digit_vocabulary, exact_estimates, exact_tree, tree_values
+from tokencredit.analysis.fidelity import FidelityConfig, load_estimates, score, token_credit
+from tokencredit.analysis.fidelity.exact import (
+    RestrictedPolicy,
+    digit_vocabulary,
+    exact_estimates,
+    exact_tree,
+    tree_values,
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +102,14 @@ def test_exact_estimates_score_with_no_noise_ceiling(tiny, tmp_path):
 
 def test_a_digit_that_is_not_one_token_is_a_one_line_error(tiny):
     _, tok = tiny
-    from tokencredit.fidelity import FidelityError
+    from tokencredit.analysis.fidelity import FidelityError
 
     with pytest.raises(FidelityError, match=r"vocabulary: expected '12' to be one token"):
         digit_vocabulary(tok, ["1", "12"])
 
 
 def test_build_exact_refuses_what_it_cannot_honour_in_one_line(tmp_path):
-    from tokencredit.fidelity import main
+    from tokencredit.analysis.fidelity import main
 
     with pytest.raises(SystemExit, match=r"^tokencredit fidelity build: --exact: expected --task .*got ROLLOUTS$"):
         main(["build", str(tmp_path), "-o", str(tmp_path / "x.pt"), "--exact"])
@@ -116,7 +122,7 @@ def test_the_bundled_exact_set():
     the digits and its end token; V is exact, so the split-half reference and the rank correlation
     perfect credit would reach are 1; every response to one prompt starts from the same root V;
     only the methods that need an adapter, a reference or a critic are not scored."""
-    from tokencredit.fidelity import REFERENCE_EXACT
+    from tokencredit.analysis.fidelity import REFERENCE_EXACT
 
     est = load_estimates(REFERENCE_EXACT)
     assert est["settings"]["exact"] and est["settings"]["M"] == 2
@@ -128,7 +134,7 @@ def test_the_bundled_exact_set():
         assert float(roots.max() - roots.min()) < 1e-6
     res = score(est, cfg=FidelityConfig(n_boot=20))
     assert res["perfect_rank_corr"] == {"all": pytest.approx(1.0), "mixed": pytest.approx(1.0)}
-    from tokencredit.registry import get_method, list_methods
+    from tokencredit.credit.registry import get_method, list_methods
 
     circular = {n for n in list_methods() if "true_values" in get_method(n).requires}  # scored by what they read
     sampled = {n for n in list_methods() if "mc_values" in get_method(n).requires}  # need continuation rollouts

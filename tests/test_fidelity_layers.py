@@ -10,7 +10,7 @@ from pathlib import Path
 
 from test_layers import SRC, _imports
 
-PKG = "tokencredit.fidelity"
+PKG = "tokencredit.analysis.fidelity"
 
 
 def test_nothing_in_the_core_imports_fidelity():
@@ -36,8 +36,8 @@ def _named_methods(path: Path, names, signals):
 
 
 def test_only_claims_names_methods():
-    from tokencredit.batch import SIGNALS
-    from tokencredit.registry import list_methods
+    from tokencredit.credit.batch import SIGNALS
+    from tokencredit.credit.registry import list_methods
 
     names = set(list_methods())
     pkg = SRC / "fidelity"

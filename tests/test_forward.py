@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokencredit.forward import distinct_rows, forward_response
+from tokencredit.engine.forward import distinct_rows, forward_response
 from tokencredit.testing import tiny_model_and_tokenizer
 
 P, T = 6, 5
@@ -125,7 +125,7 @@ def test_prompt_pass_feeds_the_lm_head_a_contiguous_input_for_a_frozen_model():
     # do not require grad (a frozen reference or teacher, the rollout's bf16 copy) torch.matmul
     # then runs the head as a bmm over the weight expanded to every row (a rows x vocab x hidden
     # copy, most of a 128-row rollout's time). prompt_cache must hand the head a contiguous input.
-    from tokencredit.forward import prompt_cache
+    from tokencredit.engine.forward import prompt_cache
 
     model, tok = tiny_model_and_tokenizer(seed=0)
     model.requires_grad_(False)

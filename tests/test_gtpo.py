@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.methods.gtpo import GTPOConfig, gtpo
+from tokencredit.credit.methods.gtpo import GTPOConfig, gtpo
 
 from helpers import make_batch, pad_batch
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tokencredit import CreditBatch, CreditPipeline
-from tokencredit.methods.hicra import DEFAULT_STRATEGIC_GRAMS, HICRAConfig, hicra, planning_mask_of
-from tokencredit.methods.sepa import SEPAConfig, SEPAController, sepa
-from tokencredit.plan import PlanError, plan_signals
+from tokencredit.credit.methods.hicra import DEFAULT_STRATEGIC_GRAMS, HICRAConfig, hicra, planning_mask_of
+from tokencredit.credit.methods.sepa import SEPAConfig, SEPAController, sepa
+from tokencredit.credit.plan import PlanError, plan_signals
 
 from helpers import make_batch, pad_batch
 
@@ -162,7 +162,7 @@ def _word_tokenizer():
 
 
 def test_the_passes_compute_the_planning_mask_from_the_decoded_tokens():
-    from tokencredit.passes import PassInputs, PassModels, run_passes
+    from tokencredit.engine.passes import PassInputs, PassModels, run_passes
     from tokencredit.testing import tiny_model_and_tokenizer
 
     tok, ids = _word_tokenizer()

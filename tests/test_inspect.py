@@ -12,8 +12,17 @@ import pytest
 import torch
 
 from tokencredit import CreditBatch, CreditPipeline
-from tokencredit.diagnostics import credit_diagnostics
-from tokencredit.inspector import color, default_specs, load_rollouts, render_html, replay, saved_batch, visible_token, write_page
+from tokencredit.credit.diagnostics import credit_diagnostics
+from tokencredit.analysis.inspector import (
+    color,
+    default_specs,
+    load_rollouts,
+    render_html,
+    replay,
+    saved_batch,
+    visible_token,
+    write_page,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -198,7 +207,7 @@ def test_page_numbers_equal_the_pipeline_output(saved):
         if m["source"] == "replayed":
             out = CreditPipeline(m["spec"])(batch, update_state=False)
         else:
-            from tokencredit.registry import CreditOutput
+            from tokencredit.credit.registry import CreditOutput
 
             out = CreditOutput(advantages=saved["advantages"], token_weights=saved["token_weights"])
         for i in range(B):
@@ -272,9 +281,16 @@ def test_credit_args_reach_the_replay(saved):
 def test_a_real_run_and_the_cli(tmp_path, capsys):
     """1 training step on the tiny model writes a rollouts file; the page replays it exactly."""
     from tokencredit.cli import main
-    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.train.config import (
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TaskConfig,
+        TrainConfig,
+    )
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(
         credit="grpo+taco", steps=1, output_dir=str(tmp_path / "run"),
@@ -417,9 +433,16 @@ def write_page_from(saved, tmp_path: Path) -> Path:
 
 def test_replay_uses_the_runs_configs_and_controller_state(tmp_path):
     """A stateful method with non-default settings: the replay equals the credit the run trained on."""
-    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.train.config import (
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TaskConfig,
+        TrainConfig,
+    )
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(
         credit="stare", steps=3, output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokencredit import CreditBatch, CreditPipeline
-from tokencredit.methods.intrinsic import entropy_reduction
+from tokencredit.credit.methods.intrinsic import entropy_reduction
 
 from helpers import make_batch
 

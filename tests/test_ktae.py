@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.methods.ktae import KTAEConfig, fisher_exact_two_sided, ktae
+from tokencredit.credit.methods.ktae import KTAEConfig, fisher_exact_two_sided, ktae
 
 from helpers import make_batch, pad_batch
 
@@ -239,9 +239,9 @@ def test_bad_token_ids_and_config_are_one_line_errors():
 def test_the_own_trainer_gives_ktae_the_rollouts_tokens(tmp_path):
     """One step of the own trainer with credit ktae: the credit batch carries the sampled tokens
     (no extra pass), and the credit is GRPO plus each token id's group score."""
-    from tokencredit.config import LogConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.train.config import LogConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(
         credit="ktae", steps=1, seed=0, output_dir=str(tmp_path / "run"),

@@ -13,20 +13,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokencredit.losses import (
+from tokencredit.credit.losses import (
     AGG_MODES,
     KL_KINDS,
     PPOLossConfig,
     SAPOLossConfig,
     add_kl_penalty,
     aggregate,
-    dynamic_sampling_filter,
     get_policy_loss,
     kl_penalty,
     list_policy_losses,
-    overlong_penalty,
     register_policy_loss,
 )
+from tokencredit.train.dapo import dynamic_sampling_filter, overlong_penalty
 
 D = torch.float64
 

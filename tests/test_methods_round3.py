@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokencredit import CreditPipeline
-from tokencredit.methods.sepa import SEPAConfig, SEPAController
+from tokencredit.credit.methods.sepa import SEPAConfig, SEPAController
 
 from helpers import make_batch
 
@@ -120,7 +120,7 @@ def test_sepa_state_round_trip_and_replay_use_the_steps_lambda():
 
 # -- GSPO (ppo with importance_sampling_level="sequence") and CISPO ------------------------------
 
-from tokencredit.losses import get_policy_loss  # noqa: E402
+from tokencredit.credit.losses import get_policy_loss  # noqa: E402
 
 
 def _loss_inputs(seed, B=6, T=7, spread=0.3, uniform_adv=False):
@@ -273,7 +273,7 @@ def test_cispo_keeps_a_truncated_gradient_where_ppo_has_none():
 
 
 def test_loss_options_are_one_line_errors():
-    from tokencredit.losses import CISPOLossConfig, PPOLossConfig
+    from tokencredit.credit.losses import CISPOLossConfig, PPOLossConfig
 
     with pytest.raises(ValueError, match="ppo importance_sampling_level: expected one of"):
         PPOLossConfig(importance_sampling_level="seq")
@@ -297,7 +297,7 @@ def test_the_own_trainer_trains_with_gspo_cispo_and_the_cov_losses(tmp_path, los
     """Composed with a calibrated credit spec (grpo+taco); the loss options reach the loss, the
     covariance losses act on some tokens (``acted``: the fraction they clipped or penalised)."""
     from test_trainer import _cfg, _metrics, _trainer
-    from tokencredit.update import policy_loss_config
+    from tokencredit.train.update import policy_loss_config
 
     cfg = _cfg(tmp_path, "grpo+taco", steps=1)
     for k, v in loss.items():
@@ -317,8 +317,8 @@ def test_the_own_trainer_trains_with_gspo_cispo_and_the_cov_losses(tmp_path, los
 
 
 def test_a_loss_option_the_loss_lacks_is_a_one_line_error():
-    from tokencredit.config import LossConfig
-    from tokencredit.update import policy_loss_config
+    from tokencredit.train.config import LossConfig
+    from tokencredit.train.update import policy_loss_config
 
     with pytest.raises(ValueError, match="loss.importance_sampling_level: policy loss 'sapo' has no such setting"):
         policy_loss_config(get_policy_loss("sapo"), LossConfig(policy_loss="sapo", importance_sampling_level="sequence"))
@@ -366,7 +366,7 @@ def test_verls_own_gspo_and_cispo_take_the_calibrated_advantages(base, ours):
     finally:
         tcv.install_settings(None)
     from tokencredit import CreditBatch
-    from tokencredit.registry import get_method
+    from tokencredit.credit.registry import get_method
 
     info = get_method("surprisal")
     cb = CreditBatch(response_mask=mask, rewards=torch.zeros(len(mask)), group_ids=torch.arange(len(mask)), logprobs=logp)
@@ -478,7 +478,7 @@ def test_the_own_trainer_trains_with_forking(tmp_path):
 
 
 def forking_mask_of(cb):
-    from tokencredit.methods.forking import forking_mask
+    from tokencredit.credit.methods.forking import forking_mask
 
     return forking_mask(cb.entropy, cb.mask, 0.2)
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tokencredit.losses import ClipCovLossConfig, KLCovLossConfig, get_policy_loss
+from tokencredit.credit.losses import ClipCovLossConfig, KLCovLossConfig, get_policy_loss
 
 
 def _inputs(seed, B=8, T=40, spread=0.3, adv_scale=2.0):
@@ -199,8 +199,8 @@ def test_cov_loss_options_are_one_line_errors():
 
 
 def test_a_cov_option_the_loss_lacks_is_a_one_line_error():
-    from tokencredit.config import LossConfig
-    from tokencredit.update import policy_loss_config
+    from tokencredit.train.config import LossConfig
+    from tokencredit.train.update import policy_loss_config
 
     with pytest.raises(ValueError, match="loss.clip_cov_ratio: policy loss 'ppo' has no such setting"):
         policy_loss_config(get_policy_loss("ppo"), LossConfig(clip_cov_ratio=0.01))
@@ -247,7 +247,7 @@ def test_verls_own_clip_cov_and_kl_cov_take_the_calibrated_advantages(base, cfg)
     finally:
         tcv.install_settings(None)
     from tokencredit import CreditBatch
-    from tokencredit.registry import get_method
+    from tokencredit.credit.registry import get_method
 
     info = get_method("surprisal")
     cb = CreditBatch(response_mask=mask, rewards=torch.zeros(len(mask)), group_ids=torch.arange(len(mask)), logprobs=logp)
@@ -262,7 +262,7 @@ def test_verls_own_clip_cov_and_kl_cov_take_the_calibrated_advantages(base, cfg)
 
 # -- rollout correction (verl's rollout_correction: TIS and MIS against the behaviour log-probs) ---------
 
-from tokencredit.losses.rollout_correction import RolloutCorrectionConfig, rollout_correction  # noqa: E402
+from tokencredit.credit.losses.rollout_correction import RolloutCorrectionConfig, rollout_correction  # noqa: E402
 
 
 def _mismatch(seed, B=10, T=30, spread=0.4):
@@ -349,7 +349,7 @@ def test_rollout_correction_options_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="loss.rollout_rs_threshold: expected a number >= 1 with 'seq_mean_k1'"):
         RolloutCorrectionConfig(rollout_rs="seq_mean_k1", rollout_rs_threshold=0.5)
     from test_trainer import _cfg, _trainer
-    from tokencredit.config import ConfigError
+    from tokencredit.train.config import ConfigError
 
     cfg = _cfg(tmp_path, "grpo")
     cfg.loss.rollout_rs = "token_k9"

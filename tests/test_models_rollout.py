@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokencredit import models
-from tokencredit.models import (
+from tokencredit.engine import models
+from tokencredit.engine.models import (
     EMBEDDED,
     ValueHead,
     adapter_disabled,
@@ -19,7 +19,7 @@ from tokencredit.models import (
     resolve_model,
     values_from_hidden,
 )
-from tokencredit.rollout import HFRollout, RolloutBackend, RolloutBatch, response_mask_from_ids
+from tokencredit.engine.rollout import HFRollout, RolloutBackend, RolloutBatch, response_mask_from_ids
 from tokencredit.testing import tiny_model_and_tokenizer
 
 EOS = 2
@@ -396,7 +396,7 @@ def test_capped_rollout_buckets_prompts_by_length_and_pads_each_call_to_its_own(
 
 
 def test_inverse_cdf_choice_draws_each_token_with_its_probability():
-    from tokencredit.rollout import inverse_cdf_choice
+    from tokencredit.engine.rollout import inverse_cdf_choice
 
     p = torch.tensor([0.1, 0.0, 0.45, 0.25, 0.0, 0.2])
     n = 20000
@@ -416,7 +416,7 @@ def test_inverse_cdf_choice_draws_each_token_with_its_probability():
 def test_inverse_cdf_choice_keeps_probabilities_below_float32_resolution():
     """Token 1's probability (1e-9) is far below float32's step at 0.5 (6e-8): a float32 running
     sum would give it an interval of width 0 and never draw it."""
-    from tokencredit.rollout import inverse_cdf_choice
+    from tokencredit.engine.rollout import inverse_cdf_choice
 
     p = torch.tensor([[0.5, 1e-9, 0.25]])  # float32, as softmax gives them
     total = p.double().sum()

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-import tokencredit.passes as passes
-from tokencredit.plan import plan_signals
-from tokencredit.spec import CreditPipeline
+import tokencredit.engine.passes as passes
+from tokencredit.credit.plan import plan_signals
+from tokencredit.credit.spec import CreditPipeline
 from test_trainer import _cfg, _trainer
 
 

@@ -5,16 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-from tokencredit.forward import forward_response
-from tokencredit.methods.opd import OPDConfig
-from tokencredit.signals import token_signals
-from tokencredit.tasks import make_task
+from tokencredit.train.config import (
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+)
+from tokencredit.engine.forward import forward_response
+from tokencredit.credit.methods.opd import OPDConfig
+from tokencredit.engine.signals import token_signals
+from tokencredit.data.tasks import make_task
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.methods.opd import oracle_prompt
-from tokencredit.passes import join_prompts_and_responses as _join
-from tokencredit.rollout import StepBatch
-from tokencredit.trainer import Trainer
+from tokencredit.credit.methods.opd import oracle_prompt
+from tokencredit.engine.passes import join_prompts_and_responses as _join
+from tokencredit.engine.rollout import StepBatch
+from tokencredit.train.trainer import Trainer
 
 
 def _trainer(tmp_path, credit, args=(), teacher=False):

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.methods.opd import OPDConfig, opd
-from tokencredit.methods.oppo import (
+from tokencredit.credit.methods.opd import OPDConfig, opd
+from tokencredit.credit.methods.oppo import (
     DEFAULT_ORACLE_TEMPLATE,
     OPPOConfig,
     _top_mass,

@@ -10,9 +10,9 @@ import torch
 
 import tokencredit as tc
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.methods.otb import OTBConfig, otb
-from tokencredit.plan import plan_signals
-from tokencredit.signals import token_signals
+from tokencredit.credit.methods.otb import OTBConfig, otb
+from tokencredit.credit.plan import plan_signals
+from tokencredit.engine.signals import token_signals
 
 from helpers import make_batch
 
@@ -250,10 +250,10 @@ def test_listed_by_the_cli(capsys):
 def test_the_own_trainer_gives_otb_the_policy_pass(tmp_path):
     """One step of the own trainer: sum_pi_squared and the log-probs are the policy's (a forward
     of the same weights, here recomputed) and the credit is OTB's on that batch."""
-    from tokencredit.config import LogConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-    from tokencredit.forward import forward_response
+    from tokencredit.train.config import LogConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.engine.forward import forward_response
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(
         credit="otb", steps=1, seed=0, output_dir=str(tmp_path / "run"),

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline, compute_credit
-from tokencredit.methods.pact import PACTConfig, pact_critic_is_weights, pact_critic_loss
+from tokencredit.credit.methods.pact import PACTConfig, pact_critic_is_weights, pact_critic_loss
 
 from helpers import make_batch, pad_batch
 

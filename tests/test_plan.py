@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokencredit.forward import forward_response
-from tokencredit.models import ValueHead, adapter_disabled, add_lora
-from tokencredit.passes import PassInputs, PassModels, oracle_texts, run_passes
-from tokencredit.plan import PlanError, plan_signals
-from tokencredit.signals import hidden_residual, token_signals
-from tokencredit.spec import CreditPipeline
+from tokencredit.engine.forward import forward_response
+from tokencredit.engine.models import ValueHead, adapter_disabled, add_lora
+from tokencredit.engine.passes import PassInputs, PassModels, oracle_texts, run_passes
+from tokencredit.credit.plan import PlanError, plan_signals
+from tokencredit.engine.signals import hidden_residual, token_signals
+from tokencredit.credit.spec import CreditPipeline
 from tokencredit.testing import tiny_model_and_tokenizer
 
 
@@ -62,8 +62,8 @@ def test_signals_that_depend_on_the_config_are_declared_per_config():
     see it; the other modes do not demand it."""
     from dataclasses import dataclass
 
-    from tokencredit import registry
-    from tokencredit.registry import get_method
+    from tokencredit.credit import registry
+    from tokencredit.credit.registry import get_method
 
     assert get_method("taco").requires == {"logprobs", "entropy"}  # the default config's
     assert CreditPipeline("grpo+taco").required_signals == {"logprobs", "entropy"}
@@ -193,7 +193,7 @@ def test_oracle_texts_follow_the_declaration():
 
 def _oracle_methods():
     """The registered methods that read oracle_logprobs and declare a policy-scored pass at their defaults."""
-    from tokencredit.registry import get_method, list_methods
+    from tokencredit.credit.registry import get_method, list_methods
 
     infos = [get_method(n) for n in list_methods("estimator")]
     return [i for i in infos if "oracle_logprobs" in i.requires and i.oracle(i.config_cls()).scorer == "policy"]
@@ -215,8 +215,8 @@ def test_a_registered_methods_oracle_declaration_is_the_default(monkeypatch):
     here, the default oracle pass is the one it declares; with none, a one-line PlanError."""
     from dataclasses import dataclass
 
-    from tokencredit import registry
-    from tokencredit.registry import OraclePass, register_estimator
+    from tokencredit.credit import registry
+    from tokencredit.credit.registry import OraclePass, register_estimator
 
     monkeypatch.setattr(registry, "_REGISTRY", {n: i for n, i in registry._REGISTRY.items() if i not in _oracle_methods()})
     with pytest.raises(PlanError, match="^oracle_logprobs: expected a registered method"):

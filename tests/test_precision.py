@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-import tokencredit.precision as precision
-from tokencredit.config import ConfigError
-from tokencredit.rollout import HFRollout
+import tokencredit.engine.precision as precision
+from tokencredit.train.config import ConfigError
+from tokencredit.engine.rollout import HFRollout
 from tokencredit.testing import tiny_model_and_tokenizer
 from test_trainer import _cfg, _trainer
 
@@ -95,7 +95,7 @@ def test_bf16_rollout_copy_follows_weight_changes_when_told():
 
 
 def test_a_run_written_before_the_new_fields_resumes_at_their_old_equivalent():
-    from tokencredit.config import TrainConfig, config_diff, config_to_dict
+    from tokencredit.train.config import TrainConfig, config_diff, config_to_dict
 
     new = json.loads(json.dumps(config_to_dict(TrainConfig())))
     old = json.loads(json.dumps(new))
@@ -116,7 +116,7 @@ def test_bf16_old_logprobs_are_the_updates_numerics_not_the_bf16_rollouts(tmp_pa
     log-probs differ; the old log-probs then come from the update's numerics: its own first
     forward with one epoch (no separate pass), a policy pass with several. The first epoch's
     ratio is 1 on every token."""
-    import tokencredit.passes as passes
+    import tokencredit.engine.passes as passes
 
     seen = []
     real = passes.run_passes

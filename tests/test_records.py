@@ -1,4 +1,4 @@
-"""``tokencredit.records``: the saved-rollouts format has one owner. The three writers (the own
+"""``tokencredit.train.records``: the saved-rollouts format has one owner. The three writers (the own
 trainer, ``TokenCreditGRPOTrainer``, the verl plugin's driver) build the same record from the same
 batch; a record saves as plain tensors and strings (``weights_only``), loads back equal and
 replays the credit it was trained with; a malformed file is refused in one line naming the field."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokencredit import CreditBatch, CreditPipeline
-from tokencredit.records import RECORD_KEYS, RolloutsRecord, check_rollouts, load_rollouts
+from tokencredit.train.records import RECORD_KEYS, RolloutsRecord, check_rollouts, load_rollouts
 
 B, T, STEP = 4, 5, 3
 LENGTHS = [5, 3, 4, 2]
@@ -52,7 +52,7 @@ def _record():
 
 
 def test_three_writers_build_one_record():
-    from tokencredit.evaluation import rollouts_record
+    from tokencredit.train.evaluation import rollouts_record
 
     cb, credit, out, ids, questions = _batch()
     assert out.token_weights is not None and not torch.equal(out.token_weights, torch.ones_like(out.token_weights) * cb.fmask)

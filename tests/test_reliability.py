@@ -24,7 +24,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokencredit.checkpoint import (
+from tokencredit.train.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     latest_checkpoint,
@@ -33,7 +33,7 @@ from tokencredit.checkpoint import (
     save_checkpoint,
 )
 from tokencredit.cli import main
-from tokencredit.config import (
+from tokencredit.train.config import (
     ConfigError,
     LogConfig,
     ModelConfig,
@@ -44,9 +44,9 @@ from tokencredit.config import (
     _from_dict,
     load_config,
 )
-from tokencredit.tasks import DatasetError, make_task
+from tokencredit.data.tasks import DatasetError, make_task
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def _rows(path: Path):
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Any attempt to load a model fails the test: errors must come before."""
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the error")
@@ -127,7 +127,7 @@ def no_model_loading(monkeypatch):
 @pytest.fixture
 def tiny_cli(monkeypatch):
     """The command line with the tiny model in place of the named one."""
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
 
@@ -469,7 +469,7 @@ def test_a_checkpoint_holds_only_tensors_and_plain_values(tmp_path):
     tr.train()
     sd = torch.load(out / "checkpoints" / "step_00000001" / "state.pt", weights_only=True)
     assert sd["critic"] is not None
-    from tokencredit.checkpoint import rng_state, set_rng_state
+    from tokencredit.train.checkpoint import rng_state, set_rng_state
 
     set_rng_state(sd["rng"])
     a = (random.random(), float(np.random.rand()), float(torch.rand(())))
@@ -494,8 +494,8 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path, no_model_loading):
 
 
 def test_an_unknown_method_is_a_value_error():
-    from tokencredit.registry import get_method
-    from tokencredit.spec import CreditPipeline
+    from tokencredit.credit.registry import get_method
+    from tokencredit.credit.spec import CreditPipeline
 
     with pytest.raises(ValueError, match=r"^unknown credit method 'nope'; registered: \["):
         get_method("nope")
@@ -653,7 +653,7 @@ def test_a_fresh_train_into_a_folder_with_a_run_is_refused_and_overwrite_moves_i
     assert _cli(["train", "--steps", "2", "--output-dir", str(out)] + TINY_FLAGS)[0] == 0
     before = _tree(out)
     # refused before any model loads, nothing in the folder touched
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
     code, err = _cli(["train", "--steps", "1", "--output-dir", str(out), "--seed", "1"] + TINY_FLAGS)
@@ -685,7 +685,7 @@ def test_a_folder_held_by_a_live_run_is_refused_naming_its_pid(tmp_path):
     out = tmp_path / "run"
     # another process holds the folder (as a running `train` does): it says so, then waits on stdin
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tokencredit.runfolder import RunLock; held = RunLock(sys.argv[1]).acquire(); "
+        [sys.executable, "-c", "import sys; from tokencredit.train.runfolder import RunLock; held = RunLock(sys.argv[1]).acquire(); "
          "print('held', flush=True); sys.stdin.read()", str(out)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
@@ -704,7 +704,7 @@ def test_a_folder_held_by_a_live_run_is_refused_naming_its_pid(tmp_path):
 
 
 def test_the_lock_is_held_for_the_whole_run(tmp_path, monkeypatch):
-    from tokencredit.runfolder import RunLock
+    from tokencredit.train.runfolder import RunLock
 
     out = tmp_path / "run"
     tr = _trainer(_cfg(out, steps=2))
@@ -727,8 +727,8 @@ def test_the_lock_is_held_for_the_whole_run(tmp_path, monkeypatch):
 
 
 def test_a_torn_metrics_line_is_repaired_on_resume_and_no_row_is_lost_or_doubled(tmp_path):
-    from tokencredit.compare import read_metrics
-    from tokencredit.runfolder import RunFolderWarning
+    from tokencredit.analysis.compare import read_metrics
+    from tokencredit.train.runfolder import RunFolderWarning
 
     out = tmp_path / "run"
     _trainer(_cfg(out, steps=2)).train()
@@ -802,7 +802,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_143_saying_where_to_resume(tmp_pa
     assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [float(s) for s in range(1, at + 1)]
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the test's handler is back
     monkeypatch.undo()
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
     assert _cli(["train", "--steps", "3", "--save-every", "100", "--output-dir", str(out), "--resume"] + TINY_FLAGS)[0] == 0
@@ -872,7 +872,7 @@ def test_yaml_alias_bombs_and_deep_nesting_are_one_line_before_any_repr(tmp_path
 
 
 def test_a_budget_or_prompt_past_the_models_context_is_one_line_before_training(tmp_path):
-    from tokencredit.models import ModelError
+    from tokencredit.engine.models import ModelError
 
     out = tmp_path / "run"
     with pytest.raises(ModelError) as ei:
@@ -926,7 +926,7 @@ def test_a_model_name_that_does_not_exist_is_one_line_without_retrying_the_hub(t
 
 
 def test_a_model_without_a_chat_template_is_one_line_before_training(tmp_path, monkeypatch):
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     def no_template(name, **k):
         model, tok = tiny_model_and_tokenizer(seed=0)

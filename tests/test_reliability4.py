@@ -40,7 +40,7 @@ TINY_FLAGS = shlex.split(
 @pytest.fixture
 def tiny_cli(monkeypatch):
     """The command line with the tiny model in place of the named one."""
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     monkeypatch.setattr(models, "resolve_model", lambda name, **k: tiny_model_and_tokenizer(seed=0))
 
@@ -48,7 +48,7 @@ def tiny_cli(monkeypatch):
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Any attempt to load a model fails the test: errors must come before."""
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the error")
@@ -91,10 +91,10 @@ def _env():
 # waits for a line on stdin (so the test can act while it holds the folder).
 _PAUSED_TRAIN = r"""
 import sys
-import tokencredit.models as models
+import tokencredit.engine.models as models
 from tokencredit.testing import tiny_model_and_tokenizer
 models.resolve_model = lambda name, **k: tiny_model_and_tokenizer(seed=0)
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 pause_at = int(sys.argv[1])
 real = Trainer.train_step
 def step(self):
@@ -128,7 +128,7 @@ def test_a_second_resume_is_refused_after_the_lock_file_is_deleted(tmp_path, tin
     try:
         for name in (".lock", ".lock.pid"):  # "stale" lock files, deleted by hand
             (out / name).unlink()
-        import tokencredit.models as models
+        import tokencredit.engine.models as models
 
         monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
         code, err = _cli(["train", "--resume", "--steps", "4"] + flags)
@@ -148,8 +148,8 @@ def test_a_second_resume_is_refused_after_the_lock_file_is_deleted(tmp_path, tin
 def test_a_live_processs_temporary_checkpoint_is_never_pruned(tmp_path):
     import torch
 
-    from tokencredit.checkpoint import save_checkpoint
-    from tokencredit.runfolder import process_tag
+    from tokencredit.train.checkpoint import save_checkpoint
+    from tokencredit.train.runfolder import process_tag
 
     root = tmp_path / "checkpoints"
     root.mkdir()
@@ -212,7 +212,7 @@ def test_resume_on_a_changed_data_file_is_refused_like_a_changed_setting(tmp_pat
     assert _cli(["train", "--steps", "2", "--resume"] + flags)[0] == 0  # the same file resumes
     before = rows.read_bytes()
     _write_jsonl(rows, _qa(10, 50))  # replaced at the same path
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
     code, err = _cli(["train", "--steps", "3", "--resume"] + flags)
@@ -279,9 +279,16 @@ def test_eval_of_a_run_says_how_many_rows_it_scored(tmp_path, tiny_cli, capsys):
 @pytest.fixture(scope="module")
 def lora_export(tmp_path_factory):
     """A LoRA run's export (a peft adapter folder over a base model folder), and the base."""
-    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-    from tokencredit.export import export_run
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.config import (
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TaskConfig,
+        TrainConfig,
+    )
+    from tokencredit.train.export import export_run
+    from tokencredit.train.trainer import Trainer
 
     d = tmp_path_factory.mktemp("lora")
     model, tok = tiny_model_and_tokenizer(seed=0)
@@ -303,7 +310,7 @@ def test_eval_takes_a_lora_export_folder_that_from_pretrained_loads(tmp_path, lo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tokencredit.models import is_lora, resolve_model
+    from tokencredit.engine.models import is_lora, resolve_model
 
     adapter, base, run = lora_export
     assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
@@ -376,7 +383,7 @@ def test_overwrite_under_a_read_only_parent_is_one_line(tmp_path, tiny_cli, monk
         return real(self, *a, **k)
 
     monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
-    import tokencredit.models as models
+    import tokencredit.engine.models as models
 
     monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
     code, err = _cli(["train", "--steps", "1", "--overwrite", "--output-dir", str(out)] + TINY_FLAGS)
@@ -392,7 +399,7 @@ def test_a_yaml_key_given_twice_is_refused_naming_it(tmp_path, no_model_loading)
     code, err = _cli(["train", "--config", str(cfg), "--output-dir", str(tmp_path / "run")] + TINY_FLAGS)
     assert _one_line(code, err, "tokencredit train: ") == (
         f"tokencredit train: --config: {cfg}: key 'rollout.temperature' given twice (lines 3 and 5); keep one")
-    from tokencredit.config import load_yaml_bounded
+    from tokencredit.train.config import load_yaml_bounded
 
     # a merge key overriding is no duplicate
     assert load_yaml_bounded("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n", "t")["b"] == {"x": 3, "y": 2}

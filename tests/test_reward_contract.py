@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from tokencredit.datasource import Example
-from tokencredit.grading import answers_match, extract_final_answer, numeric_accuracy
-from tokencredit.rewards import RewardFailure, RewardRunner, load_reward_funcs
+from tokencredit.data.datasource import Example
+from tokencredit.data.grading import answers_match, extract_final_answer, numeric_accuracy
+from tokencredit.data.rewards import RewardFailure, RewardRunner, load_reward_funcs
 
 from test_reliability import _cli, tiny_cli  # noqa: F401 (the command line in-process, the tiny model as any named one)
 
@@ -126,7 +126,7 @@ def test_a_reward_returning_a_dict_is_refused_not_read_by_its_keys(runner_of):
 
 def test_a_reward_returning_none_for_every_completion_is_warned_once(runner_of, caplog):
     r = runner_of("test_reward_contract:all_none")
-    with caplog.at_level(logging.WARNING, logger="tokencredit.rewards"):
+    with caplog.at_level(logging.WARNING, logger="tokencredit.data.rewards"):
         for step in (1, 2):
             r.end_step(step, [_score(r, step=step)])
     lines = [m for m in caplog.messages if "all_none" in m]
@@ -269,8 +269,8 @@ def test_greedy_acc_is_an_accuracy_and_the_weighted_reward_is_eval_reward():
     of rows the first function calls correct (reward >= 1), not the weighted sum's mean."""
     import torch
 
-    from tokencredit.evaluation import evaluate_split
-    from tokencredit.rewards import RewardScores
+    from tokencredit.train.evaluation import evaluate_split
+    from tokencredit.data.rewards import RewardScores
 
     exs = _examples()[1:]  # two rows
     acc, pen = [1.0, 0.0], [-0.25, -0.75]
@@ -313,7 +313,7 @@ def _marking_module(tmp_path, name="marks_import"):
 
 
 def test_a_reward_module_is_imported_in_the_worker_never_in_the_trainer(tmp_path, runner_of):
-    from tokencredit.rewards import load_reward_fn
+    from tokencredit.data.rewards import load_reward_fn
 
     path, mark = _marking_module(tmp_path)
     funcs = load_reward_funcs([f"{path}:fn"])
@@ -329,7 +329,7 @@ def test_a_reward_module_is_imported_in_the_worker_never_in_the_trainer(tmp_path
 
 
 def test_a_module_that_hangs_at_import_is_ended_in_one_line(tmp_path, monkeypatch):
-    import tokencredit.rewards as rewards
+    import tokencredit.data.rewards as rewards
 
     import multiprocessing
 
@@ -415,10 +415,18 @@ def test_one_verl_style_function_gets_the_same_arguments_in_train_trl_and_verl(t
     from trl import GRPOConfig
 
     import tokencredit
-    from tokencredit.config import DataConfig, LogConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TrainConfig
+    from tokencredit.train.config import (
+        DataConfig,
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RewardConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
     from tokencredit.integrations.trl import TokenCreditGRPOTrainer, checkpointing_args
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     path, record, rows = _verl_parquet(tmp_path)
 
@@ -479,10 +487,18 @@ OLD_NAMES = ("entropy/mean", "loss/ppo/clip_frac_low", "loss/ppo/clip_frac_high"
 
 
 def test_the_own_trainer_logs_trls_metric_names_once(tmp_path, caplog):
-    from tokencredit.config import LogConfig, LossConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig
-    from tokencredit.runfolder import read_metrics
+    from tokencredit.train.config import (
+        LogConfig,
+        LossConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TaskConfig,
+        TrainConfig,
+    )
+    from tokencredit.train.runfolder import read_metrics
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(
         steps=2, output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"), task=TaskConfig(name="add1", n_train=8, n_eval=2),
@@ -514,7 +530,7 @@ class _Bar:
 
 
 def test_the_progress_bar_shows_the_last_eval_accuracy_between_evals():
-    from tokencredit.trainer import _show_progress
+    from tokencredit.train.trainer import _show_progress
 
     bar = _Bar()
     _show_progress(bar, {"reward": 0.5, "entropy": 1.0}, 0.5)
@@ -540,7 +556,7 @@ def test_the_saved_trl_batch_is_labelled_with_the_step_that_trained_on_it(tmp_pa
     pytest.importorskip("trl")
     from trl import GRPOConfig
 
-    from tokencredit.inspector import load_rollouts
+    from tokencredit.analysis.inspector import load_rollouts
     from tokencredit.integrations.trl import TokenCreditGRPOTrainer, checkpointing_args
     from tokencredit.testing import tiny_model_and_tokenizer
 
@@ -588,7 +604,7 @@ class _NewCacheName(__import__("torch").nn.Module):
 def test_forward_passes_use_the_cache_name_the_model_has():
     import torch
 
-    from tokencredit.forward import cache_name, checkpointing_on, forward_response
+    from tokencredit.engine.forward import cache_name, checkpointing_on, forward_response
     from tokencredit.testing import tiny_model_and_tokenizer
 
     model, _ = tiny_model_and_tokenizer(seed=0)
@@ -603,7 +619,7 @@ def test_forward_passes_use_the_cache_name_the_model_has():
 
 
 def test_metrics_of_runs_written_before_trls_names_are_read_by_the_new_names(tmp_path):
-    from tokencredit.compare import read_metrics
+    from tokencredit.analysis.compare import read_metrics
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1.0, "reward/mean": 0.5, "entropy/mean": 1.5, "time/step_s": 2.0}) + "\n")
     (row,) = read_metrics(tmp_path / "metrics.jsonl")

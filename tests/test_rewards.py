@@ -1,4 +1,4 @@
-"""Reward functions with TRL's contract and the guarded calls that run them (tokencredit.rewards):
+"""Reward functions with TRL's contract and the guarded calls that run them (tokencredit.data.rewards):
 the arguments a function receives, weights and None, failures (counted, and the stop after
 consecutive failing steps), a call that passes its budget is ended with its worker process, each
 call works on its own copy of the rows, the worker is a daemon and leaves nothing behind.
@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from tokencredit.datasource import Example
-from tokencredit.rewards import (
+from tokencredit.data.datasource import Example
+from tokencredit.data.rewards import (
     RewardFailure,
     RewardFnError,
     RewardRunner,
@@ -292,7 +292,7 @@ def test_unusable_functions_are_one_line(specs, match):
 
 
 def test_a_trl_function_given_as_task_reward_fn_is_pointed_to_reward_funcs():
-    from tokencredit.rewards import load_reward_fn
+    from tokencredit.data.rewards import load_reward_fn
 
     with pytest.raises(RewardFnError, match="give it as --reward.funcs test_rewards:length_plus_answer"):
         load_reward_fn("test_rewards:length_plus_answer")
@@ -324,9 +324,17 @@ def test_a_budget_that_clips_most_completions_is_warned_about(tmp_path, caplog, 
     says so, naming the budget."""
     import logging
 
-    from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TaskConfig, TrainConfig
+    from tokencredit.train.config import (
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RewardConfig,
+        RolloutConfig,
+        TaskConfig,
+        TrainConfig,
+    )
     from tokencredit.testing import tiny_model_and_tokenizer
-    from tokencredit.trainer import Trainer
+    from tokencredit.train.trainer import Trainer
 
     cfg = TrainConfig(
         steps=1, output_dir=str(tmp_path / "run"), model=ModelConfig(name="tiny"),
@@ -338,7 +346,7 @@ def test_a_budget_that_clips_most_completions_is_warned_about(tmp_path, caplog, 
     )
     model, tok = tiny_model_and_tokenizer(seed=0)
     tr = Trainer(cfg, model=model, tokenizer=tok)
-    with caplog.at_level(logging.WARNING, logger="tokencredit.trainer"):
+    with caplog.at_level(logging.WARNING, logger="tokencredit.train.trainer"):
         last = tr.train()
     assert last["completions/clipped_ratio"] == 1.0
     lines = [r.getMessage() for r in caplog.records if "hit rollout.max_new_tokens" in r.getMessage()]

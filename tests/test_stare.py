@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.methods.stare import StareConfig, StareController, stare, top_count
+from tokencredit.credit.methods.stare import StareConfig, StareController, stare, top_count
 
 from helpers import make_batch, pad_batch
 

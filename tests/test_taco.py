@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline
-from tokencredit.methods.taco import TACOConfig, linear_quantile, taco
+from tokencredit.credit.methods.taco import TACOConfig, linear_quantile, taco
 
 from helpers import make_batch, pad_batch
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tokencredit.tasks import (
+from tokencredit.data.tasks import (
     Example,
     RewardFnError,
     Task,
@@ -30,7 +30,7 @@ def _ex(answer: str, question: str = "What is 23 + 45?") -> Example:
 
 
 def test_list_tasks_names_every_task():
-    from tokencredit.controlled import CONTROLLED  # bench's tasks (tests/test_bench.py): train and eval share the space
+    from tokencredit.data.controlled import CONTROLLED  # bench's tasks (tests/test_bench.py): train and eval share the space
 
     assert set(list_tasks()) == set(PROCEDURAL) | {"gsm8k", "math"} | set(CONTROLLED)
 
@@ -274,7 +274,7 @@ def test_mix_holds_every_part():
 def test_math_verify_misreads_a_restated_expression():
     """Why the procedural tasks keep the numeric final-answer parser: the model restates
     expressions after its answer, and math-verify takes the last expression of a completion."""
-    from tokencredit.grading import math_verify_equal, numeric_reward
+    from tokencredit.data.grading import math_verify_equal, numeric_reward
 
     text = "The answer is 12. Check: 3 + 4 = 7"
     assert not math_verify_equal("12", text)

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokencredit.forward import forward_response
-from tokencredit.rollout import HFRollout
-from tokencredit.signals import token_signals
+from tokencredit.engine.forward import forward_response
+from tokencredit.engine.rollout import HFRollout
+from tokencredit.engine.signals import token_signals
 from tokencredit.testing import tiny_model_and_tokenizer
 
 PROMPTS = [

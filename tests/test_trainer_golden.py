@@ -34,10 +34,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokencredit.rollout import ReplayRollout
-from tokencredit.config import LogConfig, LossConfig, ModelConfig, OptimConfig, RolloutConfig, TaskConfig, TrainConfig, apply_recipe
+from tokencredit.engine.rollout import ReplayRollout
+from tokencredit.train.config import (
+    LogConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+    apply_recipe,
+)
 from tokencredit.testing import tiny_model_and_tokenizer
-from tokencredit.trainer import Trainer
+from tokencredit.train.trainer import Trainer
 
 GOLDEN = Path(__file__).parent / "golden" / "trainer.json"
 

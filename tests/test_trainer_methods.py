@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from tokencredit.config import LossConfig, load_config
-from tokencredit.forward import forward_response
-from tokencredit.losses import get_policy_loss
-from tokencredit.signals import token_signals
-from tokencredit.spec import CreditPipeline
-from tokencredit.update import policy_loss_config
+from tokencredit.train.config import LossConfig, load_config
+from tokencredit.engine.forward import forward_response
+from tokencredit.credit.losses import get_policy_loss
+from tokencredit.engine.signals import token_signals
+from tokencredit.credit.spec import CreditPipeline
+from tokencredit.train.update import policy_loss_config
 
 from test_trainer import _cfg, _metrics, _trainer
 
@@ -37,7 +37,7 @@ def test_stare_controller_steps_before_the_update_and_logs(tmp_path):
 
 
 def _pact_step(tmp_path, monkeypatch, credit_args):
-    import tokencredit.methods.pact as pact_mod
+    import tokencredit.credit.methods.pact as pact_mod
 
     cfg = _cfg(tmp_path, "pact", steps=1, credit_args=credit_args)
     cfg.optim.lr = 5e-2  # a large step, so that pi_new differs visibly from pi_old

@@ -125,7 +125,7 @@ class Recording(TokenCreditGRPOTrainer):
                 h_off = model(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states[-1]
             exp["hidden_residual"] = (h_on - h_off)[:, -T - 1 : -1].float().norm(dim=-1)
         if batch.oracle_logprobs is not None:
-            from tokencredit.methods.oppo import oracle_prompt
+            from tokencredit.credit.methods.oppo import oracle_prompt
 
             tok = self.processing_class
             texts = [
@@ -342,7 +342,7 @@ def test_signals_only_when_declared(tmp_path, credit, extra_passes, kw):
     trl_calls, passes = [], []
     original = trainer._get_per_token_logps_and_entropies
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: trl_calls.append(torch.is_grad_enabled()) or original(*a, **k)
-    forward = trainer._signal_forward  # the forward of every signal pass (tokencredit.passes)
+    forward = trainer._signal_forward  # the forward of every signal pass (tokencredit.engine.passes)
     trainer._signal_forward = lambda *a, **k: passes.append(torch.is_grad_enabled()) or forward(*a, **k)
     trainer.train()
     _check_run(trainer, credit)
@@ -402,7 +402,7 @@ def test_answer_column_name_is_configurable(tmp_path):
 def test_a_trl_run_saves_rollouts_that_inspect_reads(tmp_path):
     """With each checkpoint the last training batch is written as eval/rollouts_step_*.pt, the
     own trainer's format: `tokencredit inspect` replays it with the run's configs and state."""
-    from tokencredit.inspector import load_rollouts, replay, write_page
+    from tokencredit.analysis.inspector import load_rollouts, replay, write_page
 
     model, tok = tiny_model_and_tokenizer(seed=0)
     args = _args(tmp_path, save_strategy="steps", save_steps=2, max_steps=2)

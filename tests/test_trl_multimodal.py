@@ -11,7 +11,7 @@ pytest.importorskip("trl")
 
 from tokencredit import CreditPipeline  # noqa: E402
 from tokencredit.integrations.trl import TokenCreditGRPOTrainer  # noqa: E402
-from tokencredit.plan import plan_signals  # noqa: E402
+from tokencredit.credit.plan import plan_signals  # noqa: E402
 
 
 def _bare(spec: str, calls: list) -> TokenCreditGRPOTrainer:

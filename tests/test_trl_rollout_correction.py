@@ -1,5 +1,5 @@
 """Rollout correction in TokenCreditGRPOTrainer (issue 32.3): verl's rollout_correction settings,
-computed by tokencredit.losses.rollout_correction against the sampler's log-probs that TRL
+computed by tokencredit.credit.losses.rollout_correction against the sampler's log-probs that TRL
 records (vLLM's, or a rollout_func's), the mismatch logged, the weights on the advantages TRL's
 loss receives; the combinations TRL cannot run refused in one line before any model loads."""
 
@@ -14,7 +14,7 @@ datasets = pytest.importorskip("datasets")
 from test_trl import RewardLog, _args, _dataset  # noqa: E402
 
 from tokencredit.integrations.trl import TokenCreditGRPOTrainer  # noqa: E402
-from tokencredit.rollout import HFRollout  # noqa: E402
+from tokencredit.engine.rollout import HFRollout  # noqa: E402
 from tokencredit.testing import tiny_model_and_tokenizer  # noqa: E402
 
 SHIFT = 1.0  # nats taken off the sampler's log-prob of every third token

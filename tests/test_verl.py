@@ -28,7 +28,7 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 
 from tokencredit import CreditBatch, CreditInputError, CreditPipeline, get_method  # noqa: E402
 from tokencredit.integrations import verl as tcv  # noqa: E402
-from tokencredit.losses import PPOLossConfig, ppo_loss  # noqa: E402
+from tokencredit.credit.losses import PPOLossConfig, ppo_loss  # noqa: E402
 
 CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
 
@@ -340,8 +340,8 @@ def test_verl_std_switch_reaches_any_estimator_with_the_field(monkeypatch):
     plugin); an estimator without it (rloo) gives the same advantages either way."""
     from dataclasses import dataclass
 
-    from tokencredit import registry
-    from tokencredit.registry import CreditOutput, register_estimator
+    from tokencredit.credit import registry
+    from tokencredit.credit.registry import CreditOutput, register_estimator
 
     @dataclass
     class SwitchConfig:

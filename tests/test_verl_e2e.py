@@ -257,7 +257,7 @@ def check_inspect(run: Run, est: dict) -> None:
     driver's rewards, groups and advantages, and the real command renders it."""
     import subprocess
 
-    from tokencredit.inspector import load_rollouts
+    from tokencredit.analysis.inspector import load_rollouts
 
     folder = os.path.join(run.out, "ckpt")
     saved = load_rollouts(folder)  # eval/rollouts_step_*.pt, checked as inspect checks it

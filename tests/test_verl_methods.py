@@ -27,8 +27,8 @@ from tokencredit import CreditBatch, CreditInputError, CreditPipeline  # noqa: E
 from tokencredit.integrations import verl as tcv  # noqa: E402
 from tokencredit.integrations.verl import trainer as tct  # noqa: E402
 from tokencredit.integrations.verl.oracle import oracle_prompt_ids, oracle_samples  # noqa: E402
-from tokencredit.methods.pact import pact_critic_is_weights, pact_critic_loss  # noqa: E402
-from tokencredit.plan import plan_signals  # noqa: E402
+from tokencredit.credit.methods.pact import pact_critic_is_weights, pact_critic_loss  # noqa: E402
+from tokencredit.credit.plan import plan_signals  # noqa: E402
 
 from test_verl import TRAINER_OVERRIDES, _engine_micro_batch, actor_config, by_hand_ppo, compose_verl, policy_tensors, rollout  # noqa: E402
 
@@ -160,7 +160,13 @@ def test_credit_state_checkpoint_round_trip(tmp_path):
 
 
 def test_oracle_inputs_score_like_the_core_oracle_pass():
-    from tokencredit.passes import PassInputs, PassModels, join_prompts_and_responses, oracle_texts, run_passes
+    from tokencredit.engine.passes import (
+        PassInputs,
+        PassModels,
+        join_prompts_and_responses,
+        oracle_texts,
+        run_passes,
+    )
     from tokencredit.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(seed=0)
@@ -236,7 +242,13 @@ def test_teacher_oracle_through_verls_teacher_output_equals_the_core_teacher_pas
     """OPPO's teacher-oracle (the oracle prompt) and OPD with a teacher (the student's own prompt),
     scored in the layout verl's distillation teacher returns, equal the core's teacher pass."""
     from tokencredit.integrations.verl.oracle import response_logprobs, teacher_response_logprobs
-    from tokencredit.passes import PassInputs, PassModels, join_prompts_and_responses, oracle_texts, run_passes
+    from tokencredit.engine.passes import (
+        PassInputs,
+        PassModels,
+        join_prompts_and_responses,
+        oracle_texts,
+        run_passes,
+    )
     from tokencredit.testing import tiny_model_and_tokenizer
 
     policy, tok = tiny_model_and_tokenizer(seed=0)
@@ -509,7 +521,7 @@ def test_pact_critic_loss_is_weights_and_global_normalisation():
 
 
 def test_gae_critic_loss_regresses_on_the_estimators_returns():
-    from tokencredit.methods.gae import gae_critic_loss
+    from tokencredit.credit.methods.gae import gae_critic_loss
 
     tlr, mask, uid, rewards = rollout()
     head = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2)) * mask

@@ -32,8 +32,8 @@ from tokencredit import CreditBatch, CreditInputError, CreditPipeline  # noqa: E
 from tokencredit.integrations import verl as tcv  # noqa: E402
 from tokencredit.integrations.verl import trainer as tct  # noqa: E402
 from tokencredit.integrations.verl.engine import TokenCreditFSDPEngine  # noqa: E402
-from tokencredit.passes import PassInputs, PassModels, run_passes  # noqa: E402
-from tokencredit.plan import plan_signals  # noqa: E402
+from tokencredit.engine.passes import PassInputs, PassModels, run_passes  # noqa: E402
+from tokencredit.credit.plan import plan_signals  # noqa: E402
 
 from test_verl import TRAINER_OVERRIDES, actor_config, compose_verl  # noqa: E402
 
@@ -51,7 +51,7 @@ def _clean_settings(monkeypatch):
 
 @pytest.fixture(scope="module")
 def lora_model():
-    from tokencredit.models import add_lora
+    from tokencredit.engine.models import add_lora
     from tokencredit.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(seed=0)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from tokencredit.batch import CreditBatch
-from tokencredit.continuations import mc_step_values, sample_continuations
-from tokencredit.methods.vineppo import StepCuts, VinePPOConfig, split_steps, vineppo
-from tokencredit.plan import PlanError, plan_signals
-from tokencredit.registry import ContinuationPass
-from tokencredit.spec import CreditPipeline
+from tokencredit.credit.batch import CreditBatch
+from tokencredit.engine.continuations import mc_step_values, sample_continuations
+from tokencredit.credit.methods.vineppo import StepCuts, VinePPOConfig, split_steps, vineppo
+from tokencredit.credit.plan import PlanError, plan_signals
+from tokencredit.credit.registry import ContinuationPass
+from tokencredit.credit.spec import CreditPipeline
 from tokencredit.testing import tiny_model_and_tokenizer
 
 

@@ -7,9 +7,16 @@ Three lines::
     out = credit(CreditBatch(response_mask=m, rewards=r, group_ids=g, logprobs=lp, entropy=h))
 """
 
-from .batch import SIGNALS, TOKEN_SIGNALS, CreditBatch, CreditInputError
-from .registry import CreditOutput, MethodInfo, get_method, list_methods, register_calibrator, register_estimator
-from .spec import CreditPipeline, compute_credit, parse_spec
+from .credit.batch import SIGNALS, TOKEN_SIGNALS, CreditBatch, CreditInputError
+from .credit.registry import (
+    CreditOutput,
+    MethodInfo,
+    get_method,
+    list_methods,
+    register_calibrator,
+    register_estimator,
+)
+from .credit.spec import CreditPipeline, compute_credit, parse_spec
 
 __version__ = "0.1.0"
 

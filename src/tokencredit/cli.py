@@ -17,7 +17,15 @@ from .errors import one_line
 
 def _user_errors() -> tuple:
     """The exception classes that are the user's to fix (each message is one line)."""
-    from .errors import CheckpointError, ConfigError, DatasetError, ExportError, ModelError, RewardFnError, UnknownMethodError
+    from .errors import (
+        CheckpointError,
+        ConfigError,
+        DatasetError,
+        ExportError,
+        ModelError,
+        RewardFnError,
+        UnknownMethodError,
+    )
 
     return (ConfigError, CheckpointError, UnknownMethodError, DatasetError, RewardFnError, ModelError, ExportError)
 
@@ -54,8 +62,8 @@ def _methods(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, rest: List[str]) -> int:
-    from .config import load_config
-    from .trainer import Trainer
+    from .train.config import load_config
+    from .train.trainer import Trainer
 
     cfg = load_config(args.config, rest)
     trainer = Trainer(cfg)
@@ -84,8 +92,8 @@ def _eval_data(cfg, rest: List[str]):
     built-in task."""
     if cfg.data.path is None:
         return None
-    from .config import TaskConfig
-    from .tasks import make_data_task
+    from .train.config import TaskConfig
+    from .data.tasks import make_data_task
 
     asked = cfg.task.n_eval != TaskConfig().n_eval or any(a.split("=")[0] in ("--task.n-eval", "--task.n_eval") for a in rest)
     return make_data_task(cfg.data, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval if asked else sys.maxsize,
@@ -98,7 +106,7 @@ def _eval_rows_line(task, cfg) -> str:
     if src is None:
         return f"eval: scoring {n} rows of task {task.name!r} (task.n_eval {cfg.task.n_eval})"
     if src["held_out"]:
-        from .datasource import DATA_EVAL_FRACTION
+        from .data.datasource import DATA_EVAL_FRACTION
 
         frac = cfg.data.eval_fraction if cfg.data.eval_fraction is not None else DATA_EVAL_FRACTION
         return f"eval: scoring {n} of {src['of']} rows of {src['where']!r} (held out by data.eval_fraction {frac})"
@@ -118,9 +126,9 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
     import json
     from pathlib import Path
 
-    from .config import ConfigError, load_config
-    from .runfolder import RunFolder
-    from .trainer import Trainer
+    from .train.config import ConfigError, load_config
+    from .train.runfolder import RunFolder
+    from .train.trainer import Trainer
 
     if not args.run:
         if args.output_dir:
@@ -141,7 +149,7 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
         raise ConfigError(f"--output-dir: expected a folder outside the run {str(run)!r}, got {str(out)!r}")
     cfg = dataclasses.replace(saved, output_dir=str(out), resume=False)
     cfg_file = folder.config_file.resolve()
-    from .rewards import user_code
+    from .data.rewards import user_code
 
     code = user_code(cfg)  # a folder someone sent runs nothing of theirs unasked
     if code and not args.trust_remote_code:
@@ -164,8 +172,8 @@ def _eval(args: argparse.Namespace, rest: List[str]) -> int:
 
 
 def _compare(args: argparse.Namespace, rest: List[str]) -> int:
-    from .compare import parse_seeds, parse_specs, run_compare
-    from .config import load_config
+    from .analysis.compare import parse_seeds, parse_specs, run_compare
+    from .train.config import load_config
 
     for flag in ("--seed", "--credit", "--resume", "--overwrite"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
@@ -190,10 +198,18 @@ def _compare(args: argparse.Namespace, rest: List[str]) -> int:
 
 
 def _bench(args: argparse.Namespace, rest: List[str]) -> int:
-    from .bench import DEFAULT_SEEDS, DEFAULT_SPECS, QUICK_SEEDS, QUICK_SPECS, SUITE, BenchError, run_bench
+    from .analysis.bench import (
+        DEFAULT_SEEDS,
+        DEFAULT_SPECS,
+        QUICK_SEEDS,
+        QUICK_SPECS,
+        SUITE,
+        BenchError,
+        run_bench,
+    )
 
     if rest:
-        raise SystemExit(f"tokencredit bench: unexpected arguments {rest}; the settings are fixed per task (tokencredit.bench.SETTINGS)")
+        raise SystemExit(f"tokencredit bench: unexpected arguments {rest}; the settings are fixed per task (tokencredit.analysis.bench.SETTINGS)")
     try:
         result = run_bench(args.tasks or ",".join(SUITE), args.credit or ",".join(QUICK_SPECS if args.quick else DEFAULT_SPECS),
                            args.seeds or ",".join(map(str, QUICK_SEEDS if args.quick else DEFAULT_SEEDS)), args.output_dir,
@@ -212,7 +228,7 @@ def _compare_report(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .compare import parse_seeds, parse_specs, read_meta, write_report
+    from .analysis.compare import parse_seeds, parse_specs, read_meta, write_report
 
     out = Path(args.output_dir)
     try:
@@ -227,11 +243,11 @@ def _compare_report(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace, rest: List[str]) -> int:
-    from .inspector import write_page
+    from .analysis.inspector import write_page
 
     if rest:
         raise SystemExit(f"tokencredit inspect: unexpected arguments {rest}")
-    from .fidelity import is_estimates_file, load_estimates, rollouts_with_true_credit
+    from .analysis.fidelity import is_estimates_file, load_estimates, rollouts_with_true_credit
 
     try:
         # a fidelity estimates file: its rollouts, with the true credit as one more row
@@ -245,7 +261,7 @@ def _inspect(args: argparse.Namespace, rest: List[str]) -> int:
 
 
 def _export(args: argparse.Namespace, rest: List[str]) -> int:
-    from .export import export_run
+    from .train.export import export_run
 
     if rest:
         raise SystemExit(f"tokencredit export: unexpected arguments {rest}")
@@ -305,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     b.add_argument("--tasks", default=None, help="comma-separated tasks (default: keytok,carry,fork)")
-    b.add_argument("--credit", default=None, help="comma-separated credit specs, grpo and oracle among them (default: tokencredit.bench.DEFAULT_SPECS)")
+    b.add_argument("--credit", default=None, help="comma-separated credit specs, grpo and oracle among them (default: tokencredit.analysis.bench.DEFAULT_SPECS)")
     b.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0..9; --quick: 0,1)")
     b.add_argument("--quick", action="store_true", help="grpo,oracle x 2 seeds x a few steps (< 5 minutes)")
     b.add_argument("--steps", type=int, default=None, help="training steps of every run (default: the task's)")
@@ -325,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("-o", "--output", default=None, help="the HTML file (default: ROLLOUTS with .html)")
     i.add_argument("--credit-args", nargs="*", default=[], metavar="METHOD.FIELD=VALUE", help="method configs for the replay, e.g. taco.lam=0.5")
     i.set_defaults(func=_inspect)
-    # credit fidelity: every option is parsed by tokencredit.fidelity.main (see its --help)
+    # credit fidelity: every option is parsed by tokencredit.analysis.fidelity.main (see its --help)
     x = sub.add_parser(
         "export",
         help="write a run's model as a from_pretrained folder (a checkpoint's weights in its base model)",
@@ -341,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=_export)
     fd = sub.add_parser("fidelity", add_help=False, help="score every method's token credit against Monte Carlo true credit "
                         "(no argument: the bundled reference set); 'fidelity build RUN -o FILE' estimates it")
-    fd.set_defaults(func=lambda a, rest: __import__("tokencredit.fidelity", fromlist=["main"]).main(rest))
+    fd.set_defaults(func=lambda a, rest: __import__("tokencredit.analysis.fidelity", fromlist=["main"]).main(rest))
     return p
 
 
@@ -374,7 +390,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise UserExit(msg) from None
     except Exception as e:
         from .errors import is_disk_full
-        from .trainer import NonFiniteError
+        from .train.trainer import NonFiniteError
 
         disk_full = is_disk_full(e)
         if debug or not (disk_full or isinstance(e, _user_errors() + (NonFiniteError,))):

@@ -2,8 +2,8 @@
 never a traceback. One module at the bottom of the package that imports nothing of tokencredit
 (and nothing heavy), so that any module can raise them and any command can catch them.
 
-Each is also importable where it was defined before (``tokencredit.config.ConfigError``,
-``tokencredit.checkpoint.CheckpointError`` ...): those modules re-export it.
+Each is also importable where it was defined before (``tokencredit.train.config.ConfigError``,
+``tokencredit.train.checkpoint.CheckpointError`` ...): those modules re-export it.
 
 =====================  ======================================================================
 ``ConfigError``        a setting of the wrong type or out of range (``config``)

@@ -16,7 +16,7 @@ built and a missing one fails with the installed TRL version in the message):
 
 * ``_calculate_rewards`` is wrapped: it still runs TRL's reward functions, on the rows as
   ``tokencredit train`` and the verl adapter give them (a verl-layout row's ``ground_truth`` and
-  ``extra_info`` keys as columns: :func:`tokencredit.rewards.reward_columns`; any other row as
+  ``extra_info`` keys as columns: :func:`tokencredit.data.rewards.reward_columns`; any other row as
   TRL passes it); the returned [N, n_funcs] rewards (gathered over processes) are kept, so the
   estimator sees the raw weighted reward sum, not TRL's normalised advantage.
 * ``_generate_and_score_completions`` calls TRL's, then computes the signals the spec declares
@@ -34,15 +34,15 @@ built and a missing one fails with the installed TRL version in the message):
   (``self._metrics[mode][name]``) under their namespaced names (``taco/weight_mean``,
   ``diag/weight_gini``, ...).
 
-Signals: the spec's methods declare them and the extra passes they need; ``tokencredit.plan``
+Signals: the spec's methods declare them and the extra passes they need; ``tokencredit.credit.plan``
 turns that into the minimal set of passes (in ``__init__``, so an unmet need fails at
-construction) and ``tokencredit.passes.run_passes`` runs them, as in tokencredit's own trainer,
+construction) and ``tokencredit.engine.passes.run_passes`` runs them, as in tokencredit's own trainer,
 with a TRL forward (one plain no-grad forward under TRL's autocast, ``logits_to_keep=T+1``) and
 what TRL already computed passed as given: its generation-time ``old_per_token_logps`` (then the
 policy pass runs only for entropy / mode probability) and, when ``beta > 0``, its reference
 ``ref_per_token_logps``; otherwise the reference is the adapter-off pass of a PEFT model. An
 oracle pass scores the completion after the declared oracle prompt, built by
-:func:`tokencredit.passes.oracle_texts` from the dataset's question and answer columns and
+:func:`tokencredit.engine.passes.oracle_texts` from the dataset's question and answer columns and
 rendered and tokenised by TRL's ``_tokenize_prompts``, or after the student's own prompt. All
 signals are computed on the policy of the generation step: with TRL's default
 ``steps_per_generation == gradient_accumulation_steps`` and ``num_iterations == 1`` that is the
@@ -50,7 +50,7 @@ policy the update starts from.
 
 Rollout correction (``rollout_correction={...}``, verl's ``rollout_correction`` names:
 ``rollout_is`` token|sequence, ``rollout_is_threshold``, ``rollout_is_batch_normalize``,
-``rollout_rs``, ``rollout_rs_threshold``): :func:`tokencredit.losses.rollout_correction.rollout_correction`
+``rollout_rs``, ``rollout_rs_threshold``): :func:`tokencredit.credit.losses.rollout_correction.rollout_correction`
 of the trainer's old log-probs (TRL's ``old_per_token_logps``, else the policy pass) against the
 sampler's (TRL's ``sampling_per_token_logps``: vLLM's ``processed_logprobs``, i.e. of the
 temperature-scaled, top-p / top-k truncated distribution the token was drawn from, or what a
@@ -86,11 +86,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..batch import CreditBatch
-from ..losses.rollout_correction import RolloutCorrectionConfig, rollout_correction
-from ..plan import PlanError, plan_signals
-from ..records import RolloutsRecord
-from ..spec import CreditPipeline, load_credit_state, save_credit_state
+from ..credit.batch import CreditBatch
+from ..credit.losses.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from ..credit.plan import PlanError, plan_signals
+from ..train.records import RolloutsRecord
+from ..credit.spec import CreditPipeline, load_credit_state, save_credit_state
 
 __all__ = ["TokenCreditGRPOTrainer", "CREDIT_STATE_NAME", "TESTED_TRL_VERSION", "checkpointing_field", "checkpointing_args"]
 
@@ -210,10 +210,10 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         oracle_model: a frozen model (same tokenizer) for a method that declares a teacher-scored
             pass (OPPO / OPD with ``oracle="teacher"``); ``None``: no teacher.
         retain_memory: on a CPU with glibc, keep freed memory in the process for the next step
-            (``tokencredit.cpu_memory``, process-wide, as ``tokencredit train`` does): 19% off
+            (``tokencredit.engine.cpu_memory``, process-wide, as ``tokencredit train`` does): 19% off
             TRL's step in ``benchmarks/step_vs_trl.py``; numbers are unchanged.
         rollout_correction: verl's ``rollout_correction`` settings (a dict or a
-            :class:`~tokencredit.losses.rollout_correction.RolloutCorrectionConfig`): TIS / MIS
+            :class:`~tokencredit.credit.losses.rollout_correction.RolloutCorrectionConfig`): TIS / MIS
             against the sampler's log-probs (the module's doc); needs ``use_vllm=True`` with
             ``vllm_importance_sampling_correction=False``, or a ``rollout_func``. None: off (the
             mismatch is still logged when TRL has both log-probs).
@@ -280,7 +280,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         beta = cfg.beta if cfg is not None else 0.0
         self.rollout_correction = _rollout_correction_config(rollout_correction, cfg, bound.get("rollout_func"))
 
-        # the passes the spec's methods declare (tokencredit.plan): TRL's KL term reads its own
+        # the passes the spec's methods declare (tokencredit.credit.plan): TRL's KL term reads its own
         # reference pass, so kl stays off; a reference the credit needs is TRL's (beta > 0, given)
         # or the adapter-off pass of a PEFT model
         try:
@@ -313,7 +313,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
 
         super().__init__(*args, **kwargs)
         if retain_memory and self.args.device.type == "cpu":
-            from ..cpu_memory import retain_freed_memory
+            from ..engine.cpu_memory import retain_freed_memory
 
             retain_freed_memory()
 
@@ -340,8 +340,8 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
     # -- TRL hooks -------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # the columns as every trainer gives them (verl's layout: ground_truth, extra_info's keys;
-        # tokencredit.rewards.reward_columns); other rows pass unchanged, as TRL passes them
-        from ..rewards import reward_columns
+        # tokencredit.data.rewards.reward_columns); other rows pass unchanged, as TRL passes them
+        from ..data.rewards import reward_columns
 
         inputs = [reward_columns(x) for x in inputs]
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -374,7 +374,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         lo = self.accelerator.process_index * B
         out["advantages"] = res.advantages[lo : lo + B, :T].to(out["completion_ids"].device, torch.float32)
         self._rollout_correct(out, local, mode)
-        from ..diagnostics import credit_diagnostics
+        from ..credit.diagnostics import credit_diagnostics
 
         for name, value in {**res.metrics, **credit_diagnostics(batch, res)}.items():
             self._metrics[mode][name].append(float(value))
@@ -386,7 +386,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         return out
 
     def _rollouts_record(self, out, inputs, batch, res) -> RolloutsRecord:
-        """The training batch in the saved-rollouts format (:class:`tokencredit.records.RolloutsRecord`)
+        """The training batch in the saved-rollouts format (:class:`tokencredit.train.records.RolloutsRecord`)
         of the own trainer's ``eval/rollouts_step_*.pt``: signals, credit, tokens, texts,
         questions, method configs and state."""
         ids = self._gather_rows(out["completion_ids"], float(self._tokenizer.pad_token_id or 0)).long().cpu()
@@ -507,9 +507,9 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _credit_signals(self, out: Dict[str, Any], inputs) -> Dict[str, torch.Tensor]:
-        """The plan's passes on this process's rows (:func:`tokencredit.passes.run_passes`), with
+        """The plan's passes on this process's rows (:func:`tokencredit.engine.passes.run_passes`), with
         what TRL already computed passed as ``given`` (not recomputed)."""
-        from ..passes import PassInputs, PassModels, run_passes
+        from ..engine.passes import PassInputs, PassModels, run_passes
 
         plan = self._plan
         prompt_ids, completion_ids = out["prompt_ids"], out["completion_ids"]
@@ -592,7 +592,7 @@ class TokenCreditGRPOTrainer(GRPOTrainer):
         the same completions; the student's own input when the oracle sees the student's prompt."""
         from trl.trainer.utils import pad
 
-        from ..passes import oracle_texts
+        from ..engine.passes import oracle_texts
 
         if self._plan.oracle.prompt is None:  # a teacher scores the student's own prompt + completion
             return ids, att, out["prompt_ids"].size(1)

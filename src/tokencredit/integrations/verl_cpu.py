@@ -361,11 +361,11 @@ def _register_rollout() -> None:
 
 def _math_attention_where_flash_is_broken() -> None:
     """torch 2.13's bf16 flash attention fails on an AMX CPU whose ATen kernels are held below
-    AVX-512 (:func:`tokencredit.precision.bf16_flash_attention_broken`, "pack_vnni2 is only
+    AVX-512 (:func:`tokencredit.engine.precision.bf16_flash_attention_broken`, "pack_vnni2 is only
     supported when avx512 is supported"). The own trainer picks the math kernel around its bf16
     forwards; verl's engines run theirs (a bf16 critic or reference) outside it, so there the
     choice is made for the process. Nothing changes anywhere else."""
-    from ..precision import bf16_flash_attention_broken
+    from ..engine.precision import bf16_flash_attention_broken
 
     if bf16_flash_attention_broken():
         torch.backends.cuda.enable_flash_sdp(False)  # the flags scaled_dot_product_attention reads on CPU too

@@ -15,7 +15,7 @@ registrations exist wherever verl looks them up (checked against verl 0.9.1):
 * :mod:`.oracle`: the oracle-prompted inputs of OPPO/OPD's oracle pass (driver side, pure);
 * :mod:`.record`: the step batch in the format ``tokencredit inspect`` replays (driver side, pure);
 * :mod:`.trainer`: the trainer mode ``tokencredit_sync`` (``trainer.v1.trainer_mode=tokencredit_sync``),
-  verl's synchronous PPO trainer plus the passes the spec's methods declare (``tokencredit.plan``).
+  verl's synchronous PPO trainer plus the passes the spec's methods declare (``tokencredit.credit.plan``).
 
 Dependencies run one way: ``trainer -> oracle, record, core``, ``engine -> settings`` and
 ``core -> estimators, losses -> settings``; ``core`` and ``oracle`` import nothing of the trainer
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 
 from . import core
-from .core import (  # noqa: F401 (re-exported: the plugin's public names and the ones tests reach)
+from .core import (
     CRITIC_WEIGHTS_FIELD,
     DRIVER_SIGNALS,
     ENGINE_MODEL_TYPE,

@@ -20,7 +20,7 @@ from typing import Any
 from . import estimators as _estimators
 from . import losses as _losses
 from . import settings as _settings
-from .estimators import (  # noqa: F401 (re-exported)
+from .estimators import (
     STD_NORMALIZE_FIELD,
     driver_signals,
     estimator_names,
@@ -28,7 +28,7 @@ from .estimators import (  # noqa: F401 (re-exported)
     make_estimator,
     pop_estimator_metrics,
 )
-from .losses import (  # noqa: F401 (re-exported)
+from .losses import (
     CRITIC_WEIGHTS_FIELD,
     calibrate,
     loss_context,
@@ -37,7 +37,7 @@ from .losses import (  # noqa: F401 (re-exported)
     tokencredit_ppo_loss,
     tokencredit_value_loss,
 )
-from .settings import (  # noqa: F401 (re-exported)
+from .settings import (
     DRIVER_SIGNALS,
     ENGINE_MODEL_TYPE,
     ENV_VAR,

@@ -10,7 +10,7 @@ carries the request (non-tensor keys ``tokencredit_mode_prob`` / ``tokencredit_h
 which the trainer mode sets for the actor update when the spec's plan has these signals):
 
 * ``mode_prob`` (ACPO): ``p*_t = max_v softmax(z_t / tau)`` from the logits of the same forward,
-  computed by the core's :func:`tokencredit.signals.token_signals` (chunked, no grad);
+  computed by the core's :func:`tokencredit.engine.signals.token_signals` (chunked, no grad);
 * ``hidden_residual`` (ARCA, LoRA only): ``||h_on_t - h_off_t||_2`` of the hidden state the LM
   head reads (captured by a forward pre-hook on ``get_output_embeddings()``), ``h_on`` from the
   forward itself (detached), ``h_off`` from one extra no-grad forward of the same inputs inside
@@ -33,7 +33,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from ...signals import token_signals
+from ...engine.signals import token_signals
 from .settings import ENGINE_MODEL_TYPE, WORKER_SIGNAL_KEYS
 
 __all__ = ["ENGINE_MODEL_TYPE", "WORKER_SIGNAL_KEYS", "TokenCreditFSDPEngine", "requested_signals", "verl_engine_devices"]

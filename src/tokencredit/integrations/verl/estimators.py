@@ -17,10 +17,17 @@ from typing import Any, Dict, Iterator, Mapping, Optional
 import numpy as np
 import torch
 
-from ...batch import CreditBatch, CreditInputError
-from ...registry import get_method, list_methods
-from ...spec import parse_spec
-from .settings import DRIVER_SIGNALS, ESTIMATOR_PREFIX, TRAINER_MODE, VerlCreditSettings, cached_pipeline, current_settings
+from ...credit.batch import CreditBatch, CreditInputError
+from ...credit.registry import get_method, list_methods
+from ...credit.spec import parse_spec
+from .settings import (
+    DRIVER_SIGNALS,
+    ESTIMATOR_PREFIX,
+    TRAINER_MODE,
+    VerlCreditSettings,
+    cached_pipeline,
+    current_settings,
+)
 
 __all__ = ["driver_signals", "estimator_names", "estimator_settings", "make_estimator", "pop_estimator_metrics", "STD_NORMALIZE_FIELD"]
 

@@ -15,8 +15,8 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
-from ...batch import CreditInputError
-from ...spec import CreditPipeline, credit_batch
+from ...credit.batch import CreditInputError
+from ...credit.spec import CreditPipeline, credit_batch
 from .settings import (
     ENV_VAR,
     LOSS_MODE,

@@ -30,8 +30,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from ...passes import oracle_texts
-from ...plan import SignalPlan
+from ...engine.passes import oracle_texts
+from ...credit.plan import SignalPlan
 
 __all__ = [
     "ANSWER_FIELD",

@@ -1,5 +1,5 @@
 """The step batch of a verl run as ``tokencredit inspect`` replays it: a
-:class:`tokencredit.records.RolloutsRecord` (the own trainer's ``eval/rollouts_step_*.pt``), built on the driver from the
+:class:`tokencredit.train.records.RolloutsRecord` (the own trainer's ``eval/rollouts_step_*.pt``), built on the driver from the
 fields verl's v1 trainer keeps in TransferQueue. Pure: the trainer mode reads the fields
 (:meth:`.trainer.TokenCreditPPOTrainerSync._tc_rollouts_record`) and saves the record with every
 checkpoint under ``trainer.default_local_dir/eval/``.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ...records import RolloutsRecord
-from ...registry import CreditOutput
+from ...train.records import RolloutsRecord
+from ...credit.registry import CreditOutput
 
 __all__ = ["RECORD_FIELDS", "padded", "rollouts_record"]
 

@@ -14,7 +14,7 @@ file's :func:`compute_score` runs the functions named in ``reward_kwargs.funcs``
     +reward.custom_reward_function.reward_kwargs.answer_column=solution   # optional: the ground truth under this name too
 
 What a function receives is what ``tokencredit train`` and ``TokenCreditGRPOTrainer`` give it on
-the same verl-layout rows (:func:`tokencredit.rewards.reward_columns`, one reading in all three):
+the same verl-layout rows (:func:`tokencredit.data.rewards.reward_columns`, one reading in all three):
 ``ground_truth``, ``data_source``, ``extra_info`` (the row's mapping) and each of its keys as a
 column, and the ground truth under ``answer_column`` too when one is named (``solution``: a
 function written for such a column; the built-ins ``math`` and ``numeric`` read it, default
@@ -29,7 +29,7 @@ returning None leaves itself out of the sum, as in TRL. verl bounds the call its
 (``reward.reward_manager.compute_score_timeout``); an exception propagates to verl, as any
 ``compute_score``'s does.
 
-verl loads this file by its path (``load_extern_object``), so it imports only ``tokencredit.rewards``
+verl loads this file by its path (``load_extern_object``), so it imports only ``tokencredit.data.rewards``
 (absolute imports), never the verl plugin package.
 """
 
@@ -38,7 +38,13 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tokencredit.rewards import RewardFnError, checked_values, load_reward_funcs, resolve_ref, reward_columns
+from tokencredit.data.rewards import (
+    RewardFnError,
+    checked_values,
+    load_reward_funcs,
+    resolve_ref,
+    reward_columns,
+)
 
 __all__ = ["compute_score"]
 

@@ -6,7 +6,7 @@
   this order: the settings the trainer mode installed from the top-level config section
   ``tokencredit`` (hydra: ``+tokencredit.spec=grpo+taco +tokencredit.taco.lam=0.5``), else the
   environment variable ``TOKENCREDIT_VERL_CONFIG`` (JSON, same keys), else defaults;
-* one :class:`~tokencredit.spec.CreditPipeline` per process and distinct settings (where method
+* one :class:`~tokencredit.credit.spec.CreditPipeline` per process and distinct settings (where method
   state lives), and the check that verl can feed a spec's signals.
 """
 
@@ -20,9 +20,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import verl  # on `import verl` this module is loaded while verl/__init__ runs: __version__ is already set
 
-from ...plan import PlanError, plan_signals
-from ...registry import CriticSpec
-from ...spec import CreditPipeline, parse_spec
+from ...credit.plan import PlanError, plan_signals
+from ...credit.registry import CriticSpec
+from ...credit.spec import CreditPipeline, parse_spec
 
 __all__ = [
     "TESTED_VERL_VERSION",

@@ -7,7 +7,7 @@ Uses only verl 0.9's extension points: ``register_trainer`` (the v1 trainer regi
 ``_load_checkpoint`` are extended, each calling verl's own), the workers' public ``set_loss_fn``
 and ``compute_log_prob`` methods, and TransferQueue's ``kv_batch_get`` / ``kv_batch_put``.
 
-What runs is read from the methods' declarations (``tokencredit.plan.plan_signals``), never from
+What runs is read from the methods' declarations (``tokencredit.credit.plan.plan_signals``), never from
 method names:
 
 * **entropy / log-probs for an estimator** (GTPO): verl's old-log-prob pass computes the
@@ -47,11 +47,11 @@ from omegaconf import DictConfig
 
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 
-from ...plan import PlanError, SignalPlan, plan_signals
-from ...records import RolloutsRecord
-from ...spec import CreditPipeline, credit_batch
-from ...spec import load_credit_state as spec_load_credit_state
-from ...spec import save_credit_state as spec_save_credit_state
+from ...credit.plan import PlanError, SignalPlan, plan_signals
+from ...train.records import RolloutsRecord
+from ...credit.spec import CreditPipeline, credit_batch
+from ...credit.spec import load_credit_state as spec_load_credit_state
+from ...credit.spec import save_credit_state as spec_save_credit_state
 from .core import (
     CRITIC_WEIGHTS_FIELD,
     ENGINE_MODEL_TYPE,
@@ -325,7 +325,7 @@ def critic_values(plan: SignalPlan, raw_values: torch.Tensor) -> torch.Tensor:
 
 
 def save_credit_state(folder: str, credit: CreditPipeline) -> str:
-    """``folder/tokencredit_state.json`` (:func:`tokencredit.spec.save_credit_state`'s format)."""
+    """``folder/tokencredit_state.json`` (:func:`tokencredit.credit.spec.save_credit_state`'s format)."""
     return str(spec_save_credit_state(os.path.join(folder, STATE_FILE), credit))
 
 
