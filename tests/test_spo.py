@@ -92,9 +92,10 @@ def ref_actor_loss(logprobs, old_logprobs, advantages, mask, use_prob_mask=True,
 
 # -- random cases ------------------------------------------------------------------------------
 def _logprobs(rng, T, high_frac=0.4):
-    """Log-probs of T sampled tokens: about high_frac of them confident (p in (0.9, 1)), the rest
-    anywhere in (0.01, 0.95)."""
+    """Log-probs of T sampled tokens: about high_frac of them confident (p in (0.9, 1), or exactly 1:
+    at the threshold 1.0 a token neither cut nor zeroed), the rest anywhere in (0.01, 0.95)."""
     p = np.where(rng.random(T) < high_frac, rng.uniform(0.9001, 0.9999, T), rng.uniform(0.01, 0.95, T))
+    p = np.where(rng.random(T) < 0.15, 1.0, p)
     return np.log(p)
 
 
@@ -130,12 +131,12 @@ def _random_case(rng, thr, interval, B=6, T=17):
 
 CASES = [  # (threshold, interval, prob_mask, whiten): the defaults first
     (0.9, 5, True, True), (0.9, 5, False, True), (0.9, 1, True, False), (0.9, 2, False, False),
-    (0.5, 3, True, True), (0.99, 7, True, True), (0.95, 1, False, True),
+    (0.5, 3, True, True), (0.99, 7, True, True), (0.95, 1, False, True), (1.0, 2, False, False), (1.0, 5, True, True),
 ]
 
 
 @pytest.mark.parametrize("interval", [1, 2, 5, 9])
-@pytest.mark.parametrize("thr", [0.9, 0.5, 0.99])
+@pytest.mark.parametrize("thr", [0.9, 0.5, 0.99, 1.0])
 def test_cut_points_are_the_authors(thr, interval):
     """Segment starts = the authors' cut points + 1 (the token after the state), and token 0."""
     rng = np.random.default_rng(11)
@@ -227,7 +228,8 @@ def test_probability_mask_gives_no_gradient_to_confident_tokens_and_averages_ove
 
 def test_first_segment_without_a_cut_point_gets_no_credit():
     """Tokens before the first low-probability token have no value of their own (the authors take
-    none there): their advantage is 0 whatever V(y_{<0}) the pass returned."""
+    none there): their advantage is 0 whatever V(y_{<0}) the pass returned, also where the zeroing
+    of confident tokens (p > theta) does not reach them (p = theta)."""
     lp = torch.log(torch.tensor([[0.95, 0.97, 0.5, 0.99, 0.3, 0.4]], dtype=torch.float64))
     starts = torch.tensor([[1.0, 0, 1, 0, 0, 0]], dtype=torch.float64)
     assert ProbabilityCuts(0.9, 5)([""] * 6, lp[0]) == [0, 2]
@@ -239,6 +241,10 @@ def test_first_segment_without_a_cut_point_gets_no_credit():
     # with token 0 a cut point its segment starts at V(y_{<0}): A = V(y_{<2}) - V(y_{<0})
     cb0 = cb.replace(logprobs=torch.log(torch.tensor([[0.5, 0.97, 0.5, 0.99, 0.3, 0.4]], dtype=torch.float64)))
     assert spo(cb0, SPOConfig(whiten=False, prob_mask=False, interval=2)).advantages[0, 0].item() == pytest.approx(0.25 - 0.7)
+    # a token at exactly the threshold (p = 1 = theta) is neither a cut point nor zeroed: before the
+    # first cut point it still gets 0, after it its segment's advantage
+    cb1 = cb.replace(logprobs=torch.log(torch.tensor([[1.0, 1.0, 0.5, 1.0, 0.3, 0.4]], dtype=torch.float64)))
+    assert spo(cb1, SPOConfig(whiten=False, prob_mask=False, threshold=1.0)).advantages[0].tolist() == [0.0, 0.0] + [0.75] * 4
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -313,14 +319,18 @@ def test_trainer_trains_a_step_with_spo(tmp_path):
     before the continuations, whose cut rule reads its log-probs (the update's forward cannot)."""
     from test_trainer import _cfg, _trainer
 
-    cfg = _cfg(tmp_path, "spo", steps=1, credit_args=("spo.k=2", "spo.interval=2"))
+    thr = 0.0105  # the tiny random policy gives its 99 tokens about 1/99 each: some above, some below
+    cfg = _cfg(tmp_path, "spo", steps=1, credit_args=("spo.k=2", "spo.interval=2", f"spo.threshold={thr}"))
     assert cfg.optim.one_pass and cfg.optim.ppo_epochs == 1
     tr = _trainer(cfg)
+    assert tr.model.config.vocab_size == 99
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
     m = tr.train_step()
     cb = tr._last_batch["credit_batch"]
     assert cb.mc_values is not None and bool((cb.step_starts[:, 0] == 1).all())
-    rule = ProbabilityCuts(0.9, 2)
+    rule = ProbabilityCuts(thr, 2)
+    p = torch.exp(cb.logprobs[cb.mask.bool()])
+    assert bool((p < thr).any()) and bool((p >= thr).any())
     for b in range(cb.mask.shape[0]):  # the cuts are the rule's on the log-probs the credit reads
         L = int(cb.mask[b].sum())
         assert cb.step_starts[b, :L].nonzero().flatten().tolist() == rule([""] * L, cb.logprobs[b, :L])
