@@ -355,3 +355,18 @@ def test_trl_and_verl_refuse_spo_in_one_line():
     with pytest.raises(ValueError) as e:
         check_supported(CreditPipeline("spo"))
     assert len(str(e.value).splitlines()) == 1 and "estimator 'spo' needs" in str(e.value)
+
+
+def test_bench_accepts_spo_on_every_task(tmp_path):
+    """`tokencredit bench --credit spo` plans on the controlled tasks (the own trainer, the task's
+    reward): no refusal before the runs, and the plan runs the policy pass then the declared
+    continuations (a 1-seed --quick keytok run trains it: docs/benchmark.md)."""
+    from tokencredit.bench import SUITE, bench_config, check_runnable
+    from tokencredit.compare import run_config
+    from tokencredit.trainer import config_plan
+
+    for task in SUITE:
+        check_runnable(task, "spo", tmp_path)
+        cfg = run_config(bench_config(task), "spo", 0, tmp_path / task)
+        plan = config_plan(CreditPipeline(cfg.credit, cfg.method_configs()), cfg)
+        assert plan.passes == ("policy", "continuations") and plan.continuations.cuts == ProbabilityCuts(0.9, 5)
