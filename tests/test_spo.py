@@ -357,6 +357,16 @@ def test_trl_and_verl_refuse_spo_in_one_line():
     assert len(str(e.value).splitlines()) == 1 and "estimator 'spo' needs" in str(e.value)
 
 
+def test_trls_trainer_refuses_spo_in_one_line(tmp_path):
+    for mod in ("trl", "peft", "datasets"):
+        pytest.importorskip(mod)
+    from test_trl import _make
+
+    with pytest.raises(ValueError) as e:
+        _make(tmp_path, "spo")
+    assert len(str(e.value).splitlines()) == 1 and "spo reads mc_values" in str(e.value), str(e.value)
+
+
 def test_bench_accepts_spo_on_every_task(tmp_path):
     """`tokencredit bench --credit spo` plans on the controlled tasks (the own trainer, the task's
     reward): no refusal before the runs, and the plan runs the policy pass then the declared
