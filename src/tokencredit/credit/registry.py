@@ -128,11 +128,14 @@ class ContinuationPass:
         None when the plan has no policy pass). One call per response.
     k: continuations per prefix. max_steps: the prefixes of steps past this index are not
         sampled (their value is left to the method; None: every step's).
+    reads_logprobs: the cut rule reads the log-probs, so a trainer runs the policy pass before
+        the continuations (the update's own forward, which comes after, cannot give them).
     """
 
     cuts: Callable[[Any, Any], Any]
     k: int
     max_steps: Optional[int] = None
+    reads_logprobs: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.k, int) and self.k >= 1):

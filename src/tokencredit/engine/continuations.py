@@ -1,7 +1,7 @@
 """The continuation pass: Monte Carlo values of each step's prefix from fresh continuations.
 
-A method that declares a :class:`~tokencredit.credit.registry.ContinuationPass` (VinePPO; SPO's chain
-variant would declare its own cut rule) has every response cut into steps by the declared rule,
+A method that declares a :class:`~tokencredit.credit.registry.ContinuationPass` (VinePPO; SPO-chain, whose
+cut rule reads the log-probs) has every response cut into steps by the declared rule,
 and for each step ``s`` (up to ``max_steps``) ``k`` continuations are sampled from the current
 policy after the prefix ``prompt + y_{<p_s}`` (``p_s`` the step's first token), each given the
 response's remaining token budget, and scored by the task's reward on the whole response

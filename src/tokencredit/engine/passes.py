@@ -75,10 +75,13 @@ def update_gives(plan: SignalPlan, ppo_epochs: int) -> Tuple[str, ...]:
     update's forward over the same batch computes the same log-probs, entropy and top-1
     probability (TRL's ``old_per_token_logps = per_token_logps.detach()``). The pass stays when
     the plan keeps its hidden states (a critic, ARCA's residual with its adapter-off pass) or with
-    several epochs (later epochs need the pre-update values). Passes of another model or input
+    several epochs (later epochs need the pre-update values), or when a continuation pass's cut
+    rule reads the log-probs (``ContinuationPass.reads_logprobs``). Passes of another model or input
     (adapter-off, reference, oracle) and a critic's post-update pass are not touched."""
     if ppo_epochs != 1 or not plan.policy or plan.policy_hidden:
         return ()
+    if plan.continuations is not None and plan.continuations.reads_logprobs:
+        return ()  # the cut rule reads the log-probs before the update runs (SPO's cut points)
     return plan.policy
 
 

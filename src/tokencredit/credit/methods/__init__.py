@@ -3,7 +3,7 @@
 from importlib import import_module
 
 # estimators
-_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "gae", "pact", "gtpo", "opd", "oppo", "ktae", "otb", "oracle", "vineppo"]
+_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "gae", "pact", "gtpo", "opd", "oppo", "ktae", "otb", "oracle", "vineppo", "spo"]
 # calibrators
 _CALIBRATORS = ["taco", "stare", "acpo", "arca", "intrinsic", "hicra", "sepa", "forking"]
 
