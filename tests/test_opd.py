@@ -20,7 +20,7 @@ from tokencredit.data.tasks import make_task
 from tokencredit.testing import tiny_model_and_tokenizer
 from tokencredit.credit.methods.opd import oracle_prompt
 from tokencredit.engine.passes import join_prompts_and_responses as _join
-from tokencredit.engine.rollout import StepBatch
+from tokencredit.train.collect import StepBatch
 from tokencredit.train.trainer import Trainer
 
 

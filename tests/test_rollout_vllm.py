@@ -17,6 +17,7 @@ a stale weight by ~1e-1 here).
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -209,3 +210,60 @@ def test_trainer_trains_with_the_vllm_backend(tmp_path, backend):
     rb = tr.rollout.generate(PROMPTS, num_samples=4, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=2)
     assert (rb.behaviour_logprobs - teacher_forced(model, rb, 1.0)).abs().max() < TOL  # the engine has the trained weights
     tr.rollout.close()
+
+
+_COMPILED = """
+import sys, torch
+from tokencredit.engine.rollout_vllm import inductor_cache_per_isa
+if sys.argv[1] == "per-isa":
+    inductor_cache_per_isa()
+
+@torch.compile(dynamic=True)
+def count_greater(x, y):  # the shape of vLLM's compiled rank of the sampled tokens
+    return (x >= y).sum(-1)
+
+x = torch.arange(5 * 99, dtype=torch.float32).reshape(5, 99).remainder(7)
+print(int(count_greater(x, x[:, :1]).sum()))
+"""
+
+
+def test_a_run_under_another_isa_does_not_reuse_compiled_code(tmp_path):
+    """torch 2.13's inductor cache ignores ATEN_CPU_CAPABILITY: C++ vectorised by a native run was
+    reused under ATEN_CPU_CAPABILITY=default and failed to compile ('at::vec' has not been
+    declared), which made every vLLM test fail there after a native run. The backend points the
+    cache at a folder per ISA (``inductor_cache_per_isa``); this runs the compiled function the
+    way a native and then a default-kernel run would, sharing torch's default cache folder. No
+    vllm needed: the failure and the fix are torch's cache. (Without the call, the second run
+    fails with CppCompileError; checked by hand.) Run where the vllm extra is (.venv-vllm), the
+    environment whose runs compile."""
+    _need_vllm()
+    import subprocess
+    import sys
+
+    prog = tmp_path / "prog.py"
+    prog.write_text(_COMPILED)
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    env["TMPDIR"] = str(tmp_path)  # torch's default cache folder: <TMPDIR>/torchinductor_<user>
+    outs = []
+    for capability in (None, "default"):
+        run_env = dict(env, **({"ATEN_CPU_CAPABILITY": capability} if capability else {}))
+        r = subprocess.run([sys.executable, str(prog), "per-isa"], env=run_env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(r.stdout.strip())
+    assert outs[0] == outs[1] != ""
+    folders = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("torchinductor_"))
+    # one folder per ISA the two runs used: the machine's own (avx2, avx512 ...) and default
+    isas = {f.rsplit("_", 1)[1] for f in folders if f.rsplit("_", 1)[1] in ("default", "avx2", "avx512", "zvector", "vsx", "sve256", "neon")}
+    assert "default" in isas and len(isas) == 2, folders
+
+
+def test_a_cache_folder_the_user_chose_is_kept(monkeypatch, tmp_path):
+    from tokencredit.engine.rollout_vllm import inductor_cache_per_isa
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert inductor_cache_per_isa() == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    got = inductor_cache_per_isa()
+    assert got.endswith("_" + torch.backends.cpu.get_cpu_capability().lower())

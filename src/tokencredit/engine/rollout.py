@@ -45,7 +45,6 @@ __all__ = [
     "ReplayRollout",
     "RolloutBackend",
     "RolloutBatch",
-    "StepBatch",
     "NonFiniteLogitsError",
     "check_generate_args",
     "check_tokenizer",
@@ -202,80 +201,6 @@ class RolloutBatch:
     def response_lengths(self) -> torch.Tensor:
         """``[N]`` number of response tokens, EOS included."""
         return self.response_mask.sum(1)
-
-
-@dataclass
-class StepBatch:
-    """One training step's batch: the kept groups of one or more rollout rounds (DAPO's dynamic
-    sampling may take several), re-padded into one layout (left-padded prompts, right-padded
-    responses, as :class:`RolloutBatch`). ``prompt_index`` indexes ``examples``; rows of one
-    prompt are contiguous. The oracle pass's own input (oracle-prompted prompts + the same
-    responses) is attached by the trainer when its plan has one."""
-
-    input_ids: torch.Tensor  # [N, P + T]
-    attention_mask: torch.Tensor  # [N, P + T]
-    prompt_len: int  # P
-    response_ids: torch.Tensor  # [N, T]
-    response_mask: torch.Tensor  # [N, T] long
-    behaviour_logprobs: torch.Tensor  # [N, T]
-    rewards: torch.Tensor  # [N] (shaped: DAPO's overlong penalty included)
-    truncated: torch.Tensor  # [N] bool
-    prompt_index: torch.Tensor  # [N] long, into examples
-    texts: List[str]
-    examples: List[Any]
-    oracle_input_ids: Optional[torch.Tensor] = None
-    oracle_attention_mask: Optional[torch.Tensor] = None
-    oracle_prompt_len: Optional[int] = None
-
-    def __len__(self) -> int:
-        return int(self.response_ids.shape[0])
-
-    def to(self, device) -> "StepBatch":
-        moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
-        return StepBatch(**moved)
-
-    @classmethod
-    def assemble(cls, parts: Sequence[Dict[str, Any]], pad_id: int) -> Optional["StepBatch"]:
-        """The kept rows of rollout rounds ``parts`` (each ``{"rb": RolloutBatch, "examples": [...],
-        "keep": [N] bool, "rewards": [N]}``) as one batch; None when no row is kept."""
-        rows, examples = [], []
-        for part in parts:
-            rb, keep = part["rb"], part["keep"]
-            base = len(examples)
-            examples.extend(part["examples"])
-            rows += [(part, i, base + int(rb.prompt_index[i])) for i in range(len(rb.texts)) if keep[i]]
-        if not rows:
-            return None
-        P = max(int(p["rb"].prompt_ids.shape[1]) for p, _, _ in rows)
-        T = max(1, max(int(p["rb"].response_mask[i].sum()) for p, i, _ in rows))
-        N = len(rows)
-        prompt_ids = torch.full((N, P), pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((N, P), dtype=torch.long)
-        resp = torch.full((N, T), pad_id, dtype=torch.long)
-        rmask = torch.zeros((N, T), dtype=torch.long)
-        blp = torch.zeros((N, T))
-        rewards = torch.zeros(N)
-        truncated = torch.zeros(N, dtype=torch.bool)
-        pidx = torch.zeros(N, dtype=torch.long)
-        texts = []
-        for j, (part, i, gi) in enumerate(rows):
-            rb = part["rb"]
-            p_ids, p_m = rb.prompt_ids[i], rb.prompt_mask[i]
-            prompt_ids[j, P - p_ids.shape[0]:] = p_ids
-            prompt_mask[j, P - p_m.shape[0]:] = p_m
-            L = int(rb.response_mask[i].sum())
-            resp[j, :L] = rb.response_ids[i, :L]
-            rmask[j, :L] = 1
-            blp[j, :L] = rb.behaviour_logprobs[i, :L]
-            rewards[j] = part["rewards"][i]
-            truncated[j] = bool(rb.truncated[i])
-            pidx[j] = gi
-            texts.append(rb.texts[i])
-        return cls(
-            input_ids=torch.cat([prompt_ids, resp], 1), attention_mask=torch.cat([prompt_mask, rmask], 1),
-            prompt_len=P, response_ids=resp, response_mask=rmask, behaviour_logprobs=blp, rewards=rewards,
-            truncated=truncated, prompt_index=pidx, texts=texts, examples=examples,
-        )
 
 
 @runtime_checkable

@@ -62,7 +62,7 @@ from .rollout import (
     stop_token_ids,
 )
 
-__all__ = ["VLLMRollout", "vllm_available"]
+__all__ = ["VLLMRollout", "inductor_cache_per_isa", "vllm_available"]
 
 
 def vllm_available() -> bool:
@@ -79,6 +79,29 @@ def _row_seed(base: int, row: int) -> int:
 
     hi, lo = np.random.SeedSequence([int(base) % 2**63, int(row)]).generate_state(2)
     return int((int(hi) << 31) ^ int(lo)) % 2**63
+
+
+def inductor_cache_per_isa() -> str:
+    """Point torch inductor's cache at a folder of this process's vector ISA, and return it.
+
+    vLLM compiles small functions with ``torch.compile`` even with ``enforce_eager`` (e.g. the
+    rank of each sampled token). torch 2.13's inductor cache does not key its generated C++ on
+    ``ATEN_CPU_CAPABILITY``: code vectorised for AVX2 by an earlier run is reused by a run under
+    ``ATEN_CPU_CAPABILITY=default`` and compiled without the vector headers, which fails
+    (``'at::vec' has not been declared``). A cache folder per ISA (``<default>_avx2``,
+    ``<default>_default``, ...) keeps the two apart. A folder the user chose
+    (``TORCHINDUCTOR_CACHE_DIR`` set to anything but torch's default) is left as it is.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.path.abspath(default_cache_dir())
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    mine = f"{base}_{isa}"
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) in (base, mine):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = mine
+        return mine
+    return current
 
 
 @contextlib.contextmanager
@@ -213,6 +236,7 @@ class VLLMRollout:
             )
             kwargs.update(self.engine_kwargs)
             set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+            inductor_cache_per_isa()
             saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
             try:

@@ -43,12 +43,11 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .collect import batch_metrics, collect, reward_scores, rollout_metrics, score
+from .collect import StepBatch, batch_metrics, collect, reward_scores, rollout_metrics, score
 from .config import ConfigError, TrainConfig, config_to_dict
 from .evaluation import evaluate_split, rollouts_record, write_samples
 from ..engine.forward import base_model, forward_response
 from ..credit.plan import PlanError, SignalPlan, plan_signals
-from ..engine.rollout import StepBatch
 from .runcontrol import StopSignals, check_resume_config, holding_run_folder, resume_state
 from .runfolder import RunLog, check_run_folder
 from ..credit.spec import CreditPipeline
