@@ -1,4 +1,4 @@
-"""tokencredit bench: the controlled tasks' exact V against brute force, the oracle estimator's
+"""tokencredit bench: the controlled tasks' exact V against brute force, fork's structure, the oracle estimator's
 telescoping credit, the plan's refusal without a response space, the bench's output, its
 one-line refusals, and a resumed bench equal to an uninterrupted one."""
 
@@ -55,9 +55,9 @@ def test_exact_values_equal_a_brute_force_sum(task):
     _, ev = build(task, 0, 100, 2)
     ex = ev[0]
     prompt = _prompt(tok, ex)
-    resp = [ids[space.alphabet.index(ch)] for ch in ex.answer]  # the right response, one token flipped
+    resp = [ids[space.alphabet.index(ch)] for ch in ex.answer]  # the right response, one token changed
     k = space.length // 2
-    resp[k] = ids[1 - space.alphabet.index(ex.answer[k])]
+    resp[k] = ids[(space.alphabet.index(ex.answer[k]) + 1) % len(ids)]
     inp = torch.tensor([prompt + resp])
     V = batch_true_values(model, inp, torch.ones_like(inp), len(prompt), torch.tensor([resp]), torch.ones(1, space.length),
                           torch.tensor([0]), ids, space.length,
@@ -96,8 +96,53 @@ def test_rewards_read_what_the_task_says():
     assert REWARDS["keytok"]("aabaaaba", ex) == 0.0
     ex = {e.question: e for e in build("carry", 0, 100, 100)[1]}["11+01"]  # 3 + 1 = 4 = 100
     assert ex.answer == "0101"  # s0=0 c1=1 s1=0 c2=1
-    ex = {e.question: e for e in build("fork", 0, 100, 100)[1]}["fork bab"]
-    assert ex.answer == "bbbbbbbb"
+    ex = {e.question: e for e in build("fork", 0, 100, 100)[1]}["fork ca"]
+    assert REWARDS["fork"]("cabbca", ex) == 1.0  # the fork (first letter) is the prompt's first letter; the rest free
+    assert REWARDS["fork"]("cccccc", ex) == 1.0
+    assert REWARDS["fork"]("acccca", ex) == 0.0
+    assert REWARDS["fork"]("ccccc", ex) == 0.0  # not the task's length
+
+
+def test_fork_structure_one_early_choice_decides_and_the_rest_is_free():
+    """fork's exact V, against a direct computation: V(h_0) is the policy's probability of the
+    right first letter, V after the fork is exactly 1 (right) or 0 (wrong, unreachable), so the
+    true credit of every token after the fork is 0; and no policy that ignores the prompt beats
+    chance: each letter is the fork of exactly a third of the questions."""
+    from tokencredit.credit.methods.oracle import true_credit
+    from tokencredit.credit.batch import CreditBatch
+
+    task = "fork"
+    space = CONTROLLED[task].space
+    assert (space.alphabet, space.length) == ("abc", 6)
+    train, ev = build(task, 0, 100, 100)
+    assert len(ev) == 9 and sorted(e.answer[0] for e in ev) == sorted("aaabbbccc")
+    model, tok = bench_policy(task, seed=2, warm=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    ids = alphabet_ids(tok, space)
+    for ex in ev[:3]:
+        prompt = _prompt(tok, ex)
+        with torch.no_grad():
+            first = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
+        right = ids[space.alphabet.index(ex.answer[0])]
+        for fork in ids:  # one response per fork letter, its free letters drawn at random
+            g = torch.Generator().manual_seed(fork)
+            resp = [fork] + [ids[int(i)] for i in torch.randint(0, len(ids), (space.length - 1,), generator=g)]
+            inp = torch.tensor([prompt + resp])
+            V = batch_true_values(model, inp, torch.ones_like(inp), len(prompt), torch.tensor([resp]),
+                                  torch.ones(1, space.length), torch.tensor([0]), ids, space.length,
+                                  lambda row, leaves: torch.tensor([REWARDS[task](tok.decode(x), ex) for x in leaves.tolist()]),
+                                  temperature=1.0)
+            assert float(V[0, 0]) == pytest.approx(float(first[right]), abs=1e-6)
+            assert 0.01 < float(V[0, 0]) < 0.99  # a policy where the fork is uncertain
+            after = 1.0 if fork == right else 0.0
+            assert V[0, 1:].tolist() == pytest.approx([after] * (space.length - 1), abs=1e-6)
+            r = torch.tensor([REWARDS[task](tok.decode(resp), ex)])
+            assert float(r) == after
+            c = true_credit(CreditBatch(response_mask=torch.ones(1, space.length, dtype=torch.long), rewards=r,
+                                        group_ids=torch.tensor([0]), true_values=V))
+            assert c[0, 1:].abs().max() < 1e-6  # the free letters' true credit is 0
+            assert float(c[0, 0]) == pytest.approx(after - float(first[right]), abs=1e-6)  # the fork carries it all
 
 
 def _credit_batch(B=5, T=6, seed=0):

@@ -70,7 +70,7 @@ class TaskSettings:
 SETTINGS: Dict[str, TaskSettings] = {
     "keytok": TaskSettings(steps=40, lr=3e-3, eval_every=5, threshold=0.5),
     "carry": TaskSettings(steps=40, lr=3e-3, eval_every=5, threshold=0.5),
-    "fork": TaskSettings(steps=40, lr=3e-3, eval_every=5, threshold=0.8),
+    "fork": TaskSettings(steps=40, lr=3e-3, eval_every=5, threshold=0.5),
 }
 QUICK_STEPS = 6
 QUICK_EVAL_EVERY = 3

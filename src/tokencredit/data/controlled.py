@@ -1,8 +1,8 @@
 """Controlled tasks where token credit should matter and the true credit is computable.
 
-Each task's responses are exactly ``length`` tokens over a two-letter alphabet
+Each task's responses are exactly ``length`` tokens over a two- or three-letter alphabet
 (:class:`~tokencredit.engine.exactvalue.ResponseSpace`), so the value V(h) of every prefix under a policy
-that samples only that alphabet is an exact sum over at most 2^length continuations. Rewards are
+that samples only that alphabet is an exact sum over at most A^length continuations. Rewards are
 0 or 1. The question spaces are small, so the eval split is the whole space (at most ``n_eval``
 of it, a fixed draw) and the train split the whole space in a seeded order: the benchmark
 measures how fast a method learns the task, not how it generalises to held-out questions.
@@ -17,16 +17,25 @@ carry    "10+11" (2-bit binary numbers) -> the written-out addition, least signi
          Multi-step with intermediate results: one wrong bit decides the outcome (the value
          drops to 0 there), yet uniform credit blames every correct step of a failed response
          as much as the wrong one. 16 questions.
-fork     "fork abb" -> 8 letters; reward 1 iff all 8 are the key's majority letter. The first
-         letter is a fork: a wrong one makes success unreachable; the rest copies it with low
-         entropy once the policy has the format. Uniform credit pushes the 7 continuation tokens
-         of a failed response down although they were the right continuation of the wrong fork.
-         8 questions.
+fork     "fork ca" -> 6 letters over {a, b, c}; reward 1 iff the first letter is the prompt's first
+         letter (``c.....``). A forking token: the first letter is a three-way choice that decides
+         the outcome (a wrong fork makes success unreachable, the right one makes it certain); the
+         5 letters after it are free and keep the near-uniform policy's high entropy (log 3 each).
+         Uniform credit gives those 5 tokens the fork's outcome too: a random-sign push on 5 of 6
+         tokens, noise on exactly the parameters (the same attention to the prompt) that must
+         learn to read the fork's letter; the true credit of a token after the fork is 0, and the
+         fork's own true credit V(h_1) - V(h_0) is exact, not the noisy R - mean. No policy that
+         ignores the prompt beats chance (1/3), so nothing but reading the prompt at the fork
+         raises the success. 9 questions (the prompt's two letters over {a, b, c}; the second is
+         a distractor). (The first fork, 8 letters copying the prompt's majority letter after an
+         80-step warm start, did not separate oracle credit from GRPO: its continuation had low
+         entropy, which costs uniform credit nothing, and a one-letter policy was a shortcut to
+         1/2; see docs/benchmark.md.)
 
 The policies ``tokencredit bench`` trains on them (:mod:`tokencredit.analysis.bench_policy`) start from a
-seed; fork's is warm-started on noisy demonstrations (:func:`demonstration`), so that on
-each task the initial success rate is between 5% and 50% (keytok ~1/8, carry ~1/16 from the
-near-uniform initial policy; fork ~1/4).
+seed, near uniform over the alphabet, so that on each task the initial success rate is between 5%
+and 50% (keytok ~1/8, carry ~1/16, fork ~1/3); a task may warm-start it on noisy demonstrations
+(:func:`demonstration`, ``bench_policy.WARM_STEPS``), none does at present.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Callable, Dict, List, Tuple
 from .datasource import Example
 from ..engine.exactvalue import ResponseSpace
 
-__all__ = ["CONTROLLED", "ControlledTask", "build", "demonstration", "solution"]
+__all__ = ["CONTROLLED", "ControlledTask", "build", "demonstration", "solution", "fork_reward"]
 
 EVAL_SEED = 1234
 
@@ -90,11 +99,14 @@ def _carry_trace(a: int, b: int) -> str:
 
 def _fork_questions() -> List[Tuple[str, str]]:
     out = []
-    for i in range(8):
-        key = "".join("ab"[(i >> s) & 1] for s in (2, 1, 0))
-        major = "a" if key.count("a") >= 2 else "b"
-        out.append((f"fork {key}", major * 8))
+    for x in FORK_ALPHABET:
+        for y in FORK_ALPHABET:
+            out.append((f"fork {x}{y}", x * FORK_LENGTH))  # one correct response: the fork, then any letters
     return out
+
+
+FORK_ALPHABET = "abc"
+FORK_LENGTH = 6
 
 
 CONTROLLED: Dict[str, ControlledTask] = {
@@ -104,8 +116,9 @@ CONTROLLED: Dict[str, ControlledTask] = {
                        _keytok_questions, warm=(0.5, 0.5)),
         ControlledTask("carry", ResponseSpace("01", 4), "2-bit binary addition written out bit by bit with its carries; "
                        "every step must be right (16 questions)", _carry_questions, warm=(0.75, 0.75)),
-        ControlledTask("fork", ResponseSpace("ab", 8), "forking token: the first letter decides whether success is "
-                       "reachable, the rest copies it (8 questions)", _fork_questions, warm=(0.3, 0.97)),
+        ControlledTask("fork", ResponseSpace(FORK_ALPHABET, FORK_LENGTH), "forking token: the first of 6 letters over "
+                       "{a, b, c} (the prompt's first letter) decides the outcome, the 5 after it are free (9 questions)",
+                       _fork_questions, warm=(1 / 3, 1 / 3)),
     )
 }
 
@@ -126,7 +139,14 @@ def keytok_reward(completion: str, example: Example) -> float:
     return 1.0 if len(c) == len(want) and all(c[p] == want[p] for p in KEY_POSITIONS) else 0.0
 
 
-REWARDS: Dict[str, Callable[[str, Example], float]] = {"keytok": keytok_reward, "carry": exact_reward, "fork": exact_reward}
+def fork_reward(completion: str, example: Example) -> float:
+    """1.0 iff the response has the task's length and its first letter (the fork) is the answer's
+    (the letters after it are not read)."""
+    c, want = completion.strip(), str(example.answer)
+    return 1.0 if len(c) == len(want) and c[:1] == want[:1] else 0.0
+
+
+REWARDS: Dict[str, Callable[[str, Example], float]] = {"keytok": keytok_reward, "carry": exact_reward, "fork": fork_reward}
 
 
 def _example(name: str, question: str, answer: str) -> Example:
@@ -149,19 +169,12 @@ def build(name: str, seed: int, n_train: int, n_eval: int) -> Tuple[List[Example
 def demonstration(name: str, example: Example, rng: random.Random) -> str:
     """A noisy demonstration for the warm start: the correct response with each token kept with
     the task's warm probabilities (``ControlledTask.warm``), else flipped to the other letter.
-    keytok: letters uniform at random (the policy starts from the uniform one); carry: every bit
-    right with probability warm[0]; fork: the first letter right with probability warm[0], each
-    next one copies the previous with probability warm[1]."""
+    keytok and fork: letters uniform at random (the policy starts from the near-uniform one);
+    carry: every bit right with probability warm[0]."""
     t = CONTROLLED[name]
     a = t.space.alphabet
     want = str(example.answer)
-    flip = {a[0]: a[1], a[1]: a[0]}
-    if name == "keytok":
+    if name in ("keytok", "fork"):
         return "".join(rng.choice(a) for _ in want)
-    if name == "carry":
-        return "".join(ch if rng.random() < t.warm[0] else flip[ch] for ch in want)
-    first = want[0] if rng.random() < t.warm[0] else flip[want[0]]
-    out = [first]
-    for _ in want[1:]:
-        out.append(out[-1] if rng.random() < t.warm[1] else flip[out[-1]])
-    return "".join(out)
+    flip = {a[0]: a[1], a[1]: a[0]}
+    return "".join(ch if rng.random() < t.warm[0] else flip[ch] for ch in want)

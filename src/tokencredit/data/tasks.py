@@ -8,8 +8,8 @@ example) -> float`` in [0, 1]. ``make_task(name, ...)`` builds one:
     word               1-2 step word problems from templates (apples, coins, birds, ...)
     mix                equal shares of add1, add2, mul1 and word
     keytok, carry,     controlled tasks of ``tokencredit bench`` (:mod:`tokencredit.data.controlled`):
-    fork               two-letter responses of a fixed length, a response space whose
-                       continuations can be enumerated (exact true credit)
+    fork               responses of a fixed length over two or three letters, a response space
+                       whose continuations can be enumerated (exact true credit)
     gsm8k, math        datasets (a local json/jsonl/csv/parquet file or folder, or a hub id, read
                        through ``datasets``: :mod:`tokencredit.data.datasource`), graded by math-verify
 
@@ -416,7 +416,7 @@ _DESCRIPTIONS = {
     "chain": "two-step chains a + b - c > 0 (a, b, c in 2..9) solved step by step after a worked example turn, 455 questions",
     "keytok": "key tokens: 3 of 8 letters decide the reward, 5 are free (controlled, enumerable)",
     "carry": "2-bit binary addition written out with its carries, every step decisive (controlled, enumerable)",
-    "fork": "forking token: the first letter decides whether success is reachable (controlled, enumerable)",
+    "fork": "forking token: the first of 6 letters decides the outcome, 5 free letters follow (controlled, enumerable)",
     "gsm8k": "GSM8K (hub openai/gsm8k or a local file), math-verify reward",
     "math": "MATH (hub DigitalLearningGmbH/MATH-lighteval or a local file), math-verify reward",
 }
