@@ -40,7 +40,7 @@ def test_only_claims_names_methods():
     from tokencredit.credit.registry import list_methods
 
     names = set(list_methods())
-    pkg = SRC / "fidelity"
+    pkg = SRC / "analysis" / "fidelity"
     assert _named_methods(pkg / "claims.py", names, set(SIGNALS))  # the check sees names where they are
     named = {p.name: _named_methods(p, names, set(SIGNALS)) for p in sorted(pkg.glob("*.py")) if p.name != "claims.py"}
     assert not {k: v for k, v in named.items() if v}

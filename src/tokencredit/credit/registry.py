@@ -223,10 +223,22 @@ def _checking_signals(fn: Callable, name: str, req: FrozenSet[str], req_fn, conf
     def checked(batch, *args, **kwargs):
         config = args[config_pos - 1] if len(args) >= config_pos else kwargs.get("config")
         needs = req if req_fn is None or config is None else _signals(name, req_fn(config))
-        batch.require(name, sorted(needs))
+        batch.require(name if needs == req else _with_settings(name, config), sorted(needs))
         return fn(batch, *args, **kwargs)
 
     return checked
+
+
+def _with_settings(name: str, config: Any) -> str:
+    """``name`` with the settings where ``config`` differs from its defaults, e.g. "taco
+    (mode='ar_lopti')": a signal read only under a setting is named with that setting."""
+    try:
+        default = type(config)()
+        diffs = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+                 if getattr(config, f.name) != getattr(default, f.name)]
+    except (TypeError, ValueError):
+        return name
+    return f"{name} ({', '.join(diffs)})" if diffs else name
 
 
 def _register(info: MethodInfo) -> None:
