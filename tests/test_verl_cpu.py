@@ -150,3 +150,20 @@ def test_cpu_platform_process_gets_platform_engines_and_rollout():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()[-4:]
     assert lines == ["cpu gloo 0", "TokenCreditFSDPEngine", "FSDPEngineWithLMHead", "HFReplica HFRolloutAdapter"], lines
+
+
+@pytest.mark.parametrize("given, expected", [(None, "float32"), ("bfloat16", "bfloat16"), ("bf16", "bfloat16"),
+                                             ("fp32", "float32"), ("torch.float16", "float16"), ("FP16", "float16")])
+def test_tc_hf_rollout_generates_in_verls_rollout_dtype(given, expected):
+    from tokencredit.integrations.verl_cpu import rollout_dtype
+
+    assert rollout_dtype(given) == expected
+
+
+def test_tc_hf_rollout_refuses_an_unknown_dtype_in_one_line():
+    from tokencredit.integrations.verl_cpu import rollout_dtype
+
+    with pytest.raises(ValueError) as err:
+        rollout_dtype("int8")
+    msg = str(err.value)
+    assert "\n" not in msg and "actor_rollout_ref.rollout.dtype" in msg and "'int8'" in msg and "bfloat16" in msg

@@ -80,6 +80,13 @@ CASES = {
                                                      "LOGPROB_MICRO_BATCH": "8"}, ["tokencredit.stare.H_target=3.0"],
                          configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}},
                          ranks=2),
+    # verl's own rollout correction (algorithm.rollout_correction, token-level truncated IS) on a bf16
+    # rollout against the fp32 actor: the IS weights verl computes reach its base policy loss through
+    # tokencredit's, beside TACO's calibrated credit
+    "taco_rollout_is": Case("taco.sh", "grpo+taco", {"ROLLOUT_DTYPE": "bfloat16"},
+                            ["tokencredit.taco.alpha=0.2", "algorithm.rollout_correction.rollout_is=token",
+                             "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+                            configs={"taco": {"alpha": 0.2, "lam": 0.9}}),
     # OPPO's oracle scored by verl's own distillation teacher servers (a tc_hf replica of the tiny
     # model in a resource pool of its own: one more Ray "GPU" slot)
     "oppo_teacher": Case("oracle.sh", "oppo", {"METHOD": "oppo", "ORACLE": "teacher", "TEACHER_GPUS": "1"},
@@ -282,6 +289,36 @@ def group_ids_of(ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(CASES))
 def test_method_trains_through_verl_main_ppo(name, assets, tmp_root):
     check_run(name, run_case(name, assets, tmp_root), ranks=CASES[name].ranks)
+
+
+def test_verl_rollout_correction_reaches_the_base_loss(assets, tmp_root):
+    """``algorithm.rollout_correction.rollout_is=token`` with a bf16 rollout: verl logs the mismatch
+    (``rollout_corr/*``), computes truncated IS weights from the rollout's log-probs, and
+    tokencredit's policy loss hands them to verl's base loss unchanged, every step and rank (the
+    credit checks of ``check_run`` hold beside them). Without the rollout correction no weights reach
+    the loss (the taco case)."""
+    run = run_case("taco_rollout_is", assets, tmp_root)
+    assert run.rc == 0, run.tail(80)
+    for row in run.metrics():
+        corr = {k: v for k, v in row["data"].items() if k.startswith("rollout_corr/")}
+        assert corr, sorted(row["data"])
+        # the bf16 rollout's log-probs differ from the fp32 actor's old log-probs
+        assert any("kl" in k and abs(v) > 0 for k, v in corr.items()), corr
+    losses = run.captured("loss")
+    assert len(losses) == STEPS
+    moved = 0.0
+    for loss in losses:
+        w_in, w_out = loss.get("rollout_is_weights_in"), loss.get("rollout_is_weights_out")
+        assert w_in is not None and w_out is not None, sorted(loss)
+        assert torch.equal(w_in, w_out)  # passed through, not recomputed or dropped
+        mask = loss["response_mask"].bool()
+        w = w_in[mask]
+        assert torch.isfinite(w).all() and (w > 0).all() and (w <= 2.0 + 1e-6).all(), (w.min(), w.max())
+        moved = max(moved, float((w - 1).abs().max()))
+    assert moved > 1e-3, f"IS weights all 1 ({moved}): no mismatch between the bf16 rollout and the actor"
+    base = run_case("taco", assets, tmp_root)
+    assert base.rc == 0, base.tail(80)
+    assert all("rollout_is_weights_in" not in loss for loss in base.captured("loss"))
 
 
 def _state_close(a, b, tol=1e-4) -> bool:

@@ -71,6 +71,7 @@ if [[ "$DEVICE" == cpu ]]; then
     # engine with sdpa attention, the transformers rollout, and fewer helper processes
     COMMON+=(
         actor_rollout_ref.rollout.name=tc_hf
+        actor_rollout_ref.rollout.dtype="${ROLLOUT_DTYPE:-float32}"
         actor_rollout_ref.actor.strategy=fsdp2
         actor_rollout_ref.ref.strategy=fsdp2
         critic.strategy=fsdp2

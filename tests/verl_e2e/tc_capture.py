@@ -7,7 +7,8 @@ advantage step and policy loss received, in every process, to ``$TC_CAPTURE_DIR`
 * actor workers: every policy-loss call (``core_algos.get_policy_loss_fn``): the advantages the
   loss got from the driver, the log-probs, the signals tokencredit's engine loss handed over
   (``core._LOSS_CONTEXT``: entropy, mode_prob, hidden_residual, reference log-probs), the credit
-  state shipped with the loss, and the advantages verl's base policy loss finally received.
+  state shipped with the loss, and the advantages (and rollout-correction IS weights, where verl's
+  ``algorithm.rollout_correction`` made them) verl's base policy loss finally received.
 
 Files are safetensors (tensors) with JSON metadata; nothing is pickled. Only what verl passes
 through its own registries is read: no tokencredit code is changed by this module.
@@ -66,6 +67,8 @@ def _wrap_policy_loss(name, fn):
             ctx = core._LOSS_CONTEXT
             rec = {"advantages_in": kwargs["advantages"], "old_log_prob": kwargs["old_log_prob"],
                    "log_prob": kwargs["log_prob"], "response_mask": kwargs["response_mask"]}
+            if kwargs.get("rollout_is_weights") is not None:  # verl's rollout correction (rollout_corr_helper)
+                rec["rollout_is_weights_in"] = kwargs["rollout_is_weights"]
             meta = {"loss_mode": name, "credit_state": None}
             if ctx is not None:
                 rec.update({f"signal.{k}": v for k, v in ctx.signals.items()})
@@ -78,6 +81,8 @@ def _wrap_policy_loss(name, fn):
                 _save("loss", rec, meta)
         if _OPEN:  # the base loss inside tokencredit's: the advantages it finally received
             _OPEN[-1][0]["advantages_out"] = kwargs["advantages"]
+            if kwargs.get("rollout_is_weights") is not None:
+                _OPEN[-1][0]["rollout_is_weights_out"] = kwargs["rollout_is_weights"]
             _OPEN[-1][1]["base_loss_mode"] = name
             return fn(*args, **kwargs)
         _save("loss", {"advantages_in": kwargs["advantages"], "advantages_out": kwargs["advantages"],

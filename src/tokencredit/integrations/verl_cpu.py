@@ -261,6 +261,25 @@ def _register_engines_for_cpu() -> None:
 # -- the transformers rollout --------------------------------------------------------------------
 
 
+_ROLLOUT_DTYPES = {"float32": "float32", "fp32": "float32", "32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                   "float16": "float16", "fp16": "float16", "16": "float16"}
+
+
+def rollout_dtype(dtype) -> str:
+    """The torch dtype name a ``tc_hf`` server generates in, from verl's ``rollout.dtype`` (its
+    spellings: ``bfloat16``/``bf16``, ``float32``/``fp32``, ...). verl's own default is bfloat16 (the
+    precision vLLM samples in on a GPU); unset (a replica config without the key) keeps float32.
+    A bf16 rollout against the fp32 actor is the training-inference mismatch that verl's
+    ``algorithm.rollout_correction`` corrects."""
+    if dtype is None:
+        return "float32"
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _ROLLOUT_DTYPES:
+        raise ValueError(f"actor_rollout_ref.rollout.dtype: expected one of {sorted(_ROLLOUT_DTYPES)} for the tc_hf "
+                         f"rollout, got {dtype!r}")
+    return _ROLLOUT_DTYPES[name]
+
+
 def _server_name(replica_rank: int, role: str = "rollout", suffix: str = "") -> str:
     return f"tc_hf_{role}_server_{replica_rank}{suffix}"
 
@@ -292,6 +311,7 @@ def _replica_class():
             server = ray.remote(num_cpus=0)(HFRolloutServer).options(
                 name=name, max_concurrency=self.max_concurrency, get_if_exists=True,
             ).remote(path, response_length=self.config.response_length, prompt_length=self.config.prompt_length,
+                     dtype=rollout_dtype(getattr(self.config, "dtype", None)),
                      trust_remote_code=bool(get("trust_remote_code", False)))
             await server.weights_version.remote()  # built, its model loaded, before the first request
             self.servers = [server]
