@@ -258,6 +258,26 @@ def test_trainer_trains_a_step_with_grpo_oar(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters())
 
 
+def test_a_lora_run_with_eval_saves_the_saliency_with_its_rollouts(tmp_path):
+    """On a LoRA policy (the embeddings inside a peft model), with an eval step whose batch is
+    saved for inspect: the run completes, the saved rollouts carry outcome_saliency, and oar
+    replayed on them gives the run's credit."""
+    from test_trainer import _cfg, _trainer
+
+    from tokencredit.train.records import RolloutsRecord
+
+    cfg = _cfg(tmp_path, "grpo+oar", steps=1, eval_every=1, lora=True)
+    cfg.rollout.samples_per_prompt = 4  # so that some group carries signal
+    tr = _trainer(cfg)
+    tr.train()
+    rec = RolloutsRecord.load(tmp_path / "run")
+    cb = rec.credit_batch()
+    assert cb.outcome_saliency is not None and float(cb.outcome_saliency[cb.mask.bool()].max()) > 0
+    replayed = CreditPipeline(rec.credit, rec.credit_configs)(cb).advantages
+    assert rec.credit == "grpo+oar" and float(rec.advantages.abs().max()) > 0
+    torch.testing.assert_close(replayed, rec.advantages)
+
+
 # -- refusals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value,expected", [
     ("quantile", 1.5, "in [0, 1]"), ("quantile", float("nan"), "in [0, 1]"), ("beta", -0.1, ">= 0"),
