@@ -28,7 +28,8 @@ def make_batch(
     binary_rewards: bool = True,
     dtype=torch.float32,
     signals=("logprobs", "old_logprobs", "ref_logprobs", "entropy", "mode_prob", "hidden_residual", "oracle_logprobs", "values",
-             "token_ids", "planning_mask", "true_values", "sum_pi_squared", "mc_values", "step_starts"),
+             "token_ids", "planning_mask", "true_values", "sum_pi_squared", "mc_values", "step_starts",
+             "outcome_saliency"),
 ) -> CreditBatch:
     """A valid batch whose token signals are mutually consistent (taken from real distributions).
 
@@ -84,6 +85,9 @@ def make_batch(
         starts = (torch.arange(T) % 2 == 0).to(dtype).expand(B, T).clone()
         values = (torch.randint(0, 5, (B, (T + 1) // 2), generator=g).double() / 4).to(dtype)[:, step]
         kw.update({k: v for k, v in (("step_starts", starts), ("mc_values", values)) if k in signals})
+    if "outcome_saliency" in signals:  # skewed magnitudes, as saliencies are (own stream)
+        g = torch.Generator().manual_seed(seed + 15485863)
+        kw["outcome_saliency"] = torch.rand(B, T, generator=g, dtype=torch.float64).pow(3).mul(2).to(dtype)
     return CreditBatch(response_mask=mask, rewards=rewards, group_ids=group_ids, **kw)
 
 

@@ -60,6 +60,7 @@ _BASE = dict(
     hidden_residual=[[1.0] * 4] * 2,
     ref_logprobs=[[_L(0.5)] * 4] * 2,
     planning_mask=[[0] * 4] * 2,
+    outcome_saliency=[[1.0] * 4] * 2,
 )
 _CASES = {
     # a tail token (p = 1e-4 where H = 0.1: surprisal beyond the entropy by > log(1/alpha)) with
@@ -113,6 +114,12 @@ _CASES = {
     "forking": (
         dict(entropy=[[3.0, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 2.0]]),
         [[+1, -1, -1, -1], [-1, -1, -1, +1]],
+    ),
+    # the most outcome-salient reasoning token (q = 0.8: the top fifth) is boosted, the others
+    # suppressed, the response's mass kept; the last (outcome) token is untouched
+    "oar": (
+        dict(outcome_saliency=[[5.0, 0.0, 0.0, 1.0], [0.0, 0.0, 5.0, 1.0]]),
+        [[+1, -1, -1, 0], [-1, -1, +1, 0]],
     ),
     "divergence": (
         dict(ref_logprobs=[[_L(0.5) - 2.0, _L(0.5) - 0.1, _L(0.5) - 0.1, _L(0.5) - 0.1],

@@ -703,7 +703,7 @@ def test_sample_batch_keeps_every_signal_and_leaves_the_weights(tmp_path):
 def test_the_bundled_reference_set_scores_every_method_with_its_own_critic():
     """The shipped set is what docs/fidelity.md describes: 64 complete responses in 16 groups,
     M = 16, every signal of its build (no method left unscored but those reading a signal added
-    since: OTB's sum_pi_squared, VinePPO's continuation values), gae with the critic of its own run."""
+    since: OTB's sum_pi_squared, VinePPO's continuation values, OAR's outcome saliency), gae with the critic of its own run."""
     from tokencredit.analysis.fidelity import REFERENCE_SET, complete_rows
     from tokencredit.credit.registry import get_method, list_methods
 
@@ -713,12 +713,13 @@ def test_the_bundled_reference_set_scores_every_method_with_its_own_critic():
     res = score(est, cfg=FidelityConfig(n_boot=50))
     # a method reading the exact true values (oracle) is the reference itself, not scored against it
     circular = {n for n in list_methods() if "true_values" in get_method(n).requires}
-    newer = {"sum_pi_squared", "mc_values", "step_starts"}  # signals the set's build (2026-11) did not record
+    # signals the set's build (2026-11) did not record (outcome_saliency: OAR-G's pass needs the model)
+    newer = {"sum_pi_squared", "mc_values", "step_starts", "outcome_saliency"}
     later = {s["spec"] for s in res["skipped"] if s["error"] is None and set(s["missing"]) <= newer}
-    assert later == {n for n in list_methods() if get_method(n).requires & newer}
+    assert {s.split("+")[-1] for s in later} == {n for n in list_methods() if get_method(n).requires & newer}
     assert [s for s in res["skipped"] if s["spec"] not in circular | later] == []
     rows = {r["method"]: r for r in res["rows"]}
-    names = {m if isinstance(m, str) else m.name for m in list_methods()} - circular - later
+    names = {m if isinstance(m, str) else m.name for m in list_methods()} - circular - {s.split("+")[-1] for s in later}
     assert names <= {r.split("+")[-1] for r in rows} | {r.split("+")[0] for r in rows}
     assert rows["gae"]["note"].startswith("critic of a gae run") and rows["pact"]["note"].startswith("critic of the pact run")
     assert rows["true credit (MC)"]["rank_corr"]["mean"] == pytest.approx(1.0)

@@ -138,7 +138,9 @@ def test_the_bundled_exact_set():
 
     circular = {n for n in list_methods() if "true_values" in get_method(n).requires}  # scored by what they read
     sampled = {n for n in list_methods() if "mc_values" in get_method(n).requires}  # need continuation rollouts
-    assert {x["spec"] for x in res["skipped"]} <= {"gae", "pact", "grpo+arca", "rloo+arca", "grpo+divergence"} | circular | sampled
+    salient = {f"grpo+{n}" for n in list_methods() if "outcome_saliency" in get_method(n).requires}  # need the model
+    assert {x["spec"] for x in res["skipped"]} <= ({"gae", "pact", "grpo+arca", "rloo+arca", "grpo+divergence"} | circular
+                                                   | sampled | salient)
     assert "otb" in {r["method"] for r in res["rows"]}  # the exact set carries OTB's sum of squared probabilities
     c = token_credit(est)
     sig = est["rollouts"]["signals"]

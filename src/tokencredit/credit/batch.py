@@ -32,6 +32,8 @@ step_starts        [B, T]     1 on the first token of each step the continuation
 values             [B, T + 1] critic values; values[:, t] = V(h_t), the state before token t
 token_ids          [B, T]     the sampled token ids y_t (integers >= 0 on valid positions;
                               an integer or a floating-point tensor: KTAE's token statistics)
+outcome_saliency   [B, T]     OAR-G's input-gradient saliency of token t for the response's outcome
+                              (its last tokens' predicted distribution; >= 0; the saliency pass)
 planning_mask      [B, T]     1 on planning tokens (strategic-gram matches of the decoded
                               response, HICRA / SEPA), 0 on execution tokens
 =================  =========  ===========================================================
@@ -64,6 +66,7 @@ TOKEN_SIGNALS = (
     "sum_pi_squared",
     "mc_values",
     "step_starts",
+    "outcome_saliency",
 )
 #: every optional signal a method may declare (token_ids: the rollout's own tokens, no model pass)
 SIGNALS = TOKEN_SIGNALS + ("values", "token_ids", "planning_mask")
@@ -96,6 +99,7 @@ class CreditBatch:
     sum_pi_squared: Optional[Tensor] = None
     mc_values: Optional[Tensor] = None
     step_starts: Optional[Tensor] = None
+    outcome_saliency: Optional[Tensor] = None
     # derived on construction, not passed by callers
     mask: Tensor = field(init=False, repr=False)
 
@@ -163,13 +167,12 @@ class CreditBatch:
             if badp.any():
                 idx = tuple(int(i) for i in badp.nonzero()[0])
                 raise CreditInputError(f"planning_mask: expected 0/1 on valid positions, got {pm[idx].item()!r} at {idx}")
-        if self.hidden_residual is not None:
-            neg = bool_mask & (self.hidden_residual < 0)
-            if neg.any():
+        for name in ("hidden_residual", "outcome_saliency"):  # magnitudes
+            x = getattr(self, name)
+            neg = None if x is None else bool_mask & (x < 0)
+            if neg is not None and neg.any():
                 idx = tuple(int(i) for i in neg.nonzero()[0])
-                raise CreditInputError(
-                    f"hidden_residual: expected a norm (>= 0), got {self.hidden_residual[idx].item()} at {idx}"
-                )
+                raise CreditInputError(f"{name}: expected a magnitude (>= 0), got {x[idx].item()} at {idx}")
         for name in ("mode_prob", "sum_pi_squared"):  # probabilities
             x = getattr(self, name)
             out = None if x is None else bool_mask & ((x < 0) | (x > 1))

@@ -19,6 +19,8 @@ each computed once and shared by every signal it serves:
     continuations the policy samples K continuations   mc_values, step_starts (the declared
                   after each step's prefix, scored     ContinuationPass: its cut rule, K; the own
                   by the task's reward                 trainer: continuations)
+    saliency      the policy, one forward and one      outcome_saliency (the declared SaliencyPass:
+                  backward to its input embeddings     OAR-G; the own trainer: saliency)
     (none)        the rollout's own sampled tokens     token_ids
 
 A trainer knows passes, never method names: ``tests/test_external_method.py`` registers methods
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Tuple
 
 from ..errors import PlanError  # noqa: F401 (defined in errors; importable here too)
-from .registry import ContinuationPass, CriticSpec, OraclePass, default_oracle
+from .registry import ContinuationPass, CriticSpec, OraclePass, SaliencyPass, default_oracle
 from .spec import CreditPipeline
 
 __all__ = ["SignalPlan", "PlanError", "plan_signals"]
@@ -58,6 +60,7 @@ class SignalPlan:
     critic: Optional[CriticSpec]
     true_values: bool = False  # the enumeration pass: the policy's exact V(h_t) (exactvalue)
     continuations: Optional[ContinuationPass] = None  # Monte Carlo continuations per step (mc_values)
+    saliency: Optional[SaliencyPass] = None  # the input-gradient pass (outcome_saliency; OAR-G)
 
     @property
     def passes(self) -> Tuple[str, ...]:
@@ -77,6 +80,8 @@ class SignalPlan:
             out.append("enumeration")
         if self.continuations is not None:
             out.append("continuations")
+        if self.saliency is not None:
+            out.append("saliency")
         return tuple(out)
 
     def with_signals(self, extra) -> "SignalPlan":
@@ -85,7 +90,8 @@ class SignalPlan:
         one, else :func:`~tokencredit.credit.registry.default_oracle` (the self-oracle the registered
         oracle methods declare at their defaults)."""
         return _build(self.signals | frozenset(extra), self.oracle, self.critic, lora=self._lora,
-                      explicit_reference=self._explicit_reference, continuations=self.continuations)
+                      explicit_reference=self._explicit_reference, continuations=self.continuations,
+                      saliency=self.saliency)
 
     @classmethod
     def policy_only(cls, *, hidden: bool) -> "SignalPlan":
@@ -100,7 +106,7 @@ class SignalPlan:
 
 
 def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool,
-           continuations: Optional[ContinuationPass] = None) -> SignalPlan:
+           continuations: Optional[ContinuationPass] = None, saliency: Optional[SaliencyPass] = None) -> SignalPlan:
     signals = frozenset(signals)
     policy = tuple(s for s in POLICY_SIGNALS if s in signals)
     needs_ref = "ref_logprobs" in signals
@@ -126,6 +132,7 @@ def _build(signals, oracle, critic, *, lora: bool, explicit_reference: bool,
         critic=critic if "values" in signals else None,
         true_values="true_values" in signals,
         continuations=continuations if {"mc_values", "step_starts"} & signals else None,
+        saliency=saliency if "outcome_saliency" in signals else None,
         _lora=lora,
         _explicit_reference=explicit_reference,
     )
@@ -140,6 +147,7 @@ def plan_signals(
     teacher: bool = False,
     enumerable: bool = False,
     continuations: bool = False,
+    saliency: bool = False,
 ) -> SignalPlan:
     """The passes a step of ``credit`` needs under this setting.
 
@@ -148,7 +156,9 @@ def plan_signals(
     teacher: a teacher model was given. enumerable: the task declares a response space whose
     continuations the trainer can enumerate (the ``true_values`` signal). continuations: the
     trainer can sample continuations of a response prefix from the policy and score them with
-    the task's reward (the ``mc_values`` signal; the own trainer). Raises :class:`PlanError` when a declared need cannot be
+    the task's reward (the ``mc_values`` signal; the own trainer). saliency: the trainer can run a
+    backward pass of the policy to its input embeddings (the ``outcome_saliency`` signal; the own
+    trainer). Raises :class:`PlanError` when a declared need cannot be
     met (an adapter-reading method without LoRA, a teacher-scored pass without a teacher).
     """
     signals = set(credit.required_signals)
@@ -172,9 +182,15 @@ def plan_signals(
             f"after each step and scored by the task's reward); expected the own trainer with the task's reward "
             f"(no reward.funcs), got a trainer that cannot sample and score continuations"
         )
+    if "outcome_saliency" in signals and not saliency:
+        who = [m.name for m in credit.methods if "outcome_saliency" in m.requires]
+        raise PlanError(
+            f"credit '{credit.name}': {', '.join(who)} reads outcome_saliency (OAR-G: a backward pass of the policy to "
+            f"its input embeddings per step); expected the own trainer (tokencredit train), got a trainer that does not run it"
+        )
     if kl:
         signals.add("ref_logprobs")
-    oracle = critic = cont = None
+    oracle = critic = cont = sal = None
     for m in credit.methods:
         cfg = credit.configs[m.name]
         if m.needs_adapter and not lora:
@@ -195,6 +211,11 @@ def plan_signals(
             if cont is not None and c != cont:
                 raise PlanError(f"credit '{credit.name}': two methods declare different continuation passes")
             cont = c
+        if m.saliency is not None and "outcome_saliency" in m.requires:
+            sp = m.saliency(cfg)
+            if sal is not None and sp != sal:
+                raise PlanError(f"credit '{credit.name}': two methods declare different saliency passes")
+            sal = sp
     if oracle is not None and oracle.scorer == "teacher" and not teacher:
         raise PlanError(
             f"model.teacher: credit '{credit.name}' has {credit.estimator.name}.oracle='teacher'; expected a teacher "
@@ -206,4 +227,5 @@ def plan_signals(
             f"model.teacher: credit '{credit.name}' has {said}, so the teacher would be unused; expected no teacher"
             + (f" or --credit-args {credit.estimator.name}.oracle=teacher" if oracle is not None else "") + ", got a teacher"
         )
-    return _build(signals, oracle, critic, lora=lora, explicit_reference=explicit_reference, continuations=cont)
+    return _build(signals, oracle, critic, lora=lora, explicit_reference=explicit_reference, continuations=cont,
+                  saliency=sal)

@@ -28,6 +28,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, Optional
 
+import torch
 from torch import Tensor
 
 from .batch import SIGNALS
@@ -38,6 +39,7 @@ __all__ = [
     "OraclePass",
     "CriticSpec",
     "ContinuationPass",
+    "SaliencyPass",
     "MethodInfo",
     "register_estimator",
     "register_calibrator",
@@ -145,6 +147,41 @@ class ContinuationPass:
 
 
 @dataclass(frozen=True)
+class SaliencyPass:
+    """An input-gradient pass a method declares (OAR-G): how much each response token's input
+    embedding moves the policy's predicted outcome; its result is ``outcome_saliency``.
+
+    The last ``answer_tokens`` tokens of each response are its outcome, the tokens before them
+    its reasoning. With Gaussian noise of std ``noise_std`` on the reasoning tokens' input
+    embeddings e_t, J = KL(p_0 || p_noisy) of the mean next-token logits at the positions that
+    predict the outcome tokens (clean p_0, ``kl_eps`` inside its log), and the saliency of a
+    reasoning token is |<dJ/de_t, e_t>|; the outcome tokens' saliency is 0. One forward without
+    grad and one with a backward to the input embeddings only (no parameter gradient is kept).
+    """
+
+    answer_tokens: int = 1
+    noise_std: float = 1e-3
+    kl_eps: float = 1e-12
+
+    def __post_init__(self):
+        if not (isinstance(self.answer_tokens, int) and not isinstance(self.answer_tokens, bool) and self.answer_tokens >= 1):
+            raise ValueError(f"SaliencyPass answer_tokens: expected an int >= 1, got {self.answer_tokens!r}")
+        for k in ("noise_std", "kl_eps"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and v == v and v != float("inf")):
+                raise ValueError(f"SaliencyPass {k}: expected a finite number >= 0, got {v!r}")
+
+    def split(self, response_mask: Tensor):
+        """``(reasoning, outcome)`` bool masks [B, T] of right-padded responses: the last
+        ``answer_tokens`` valid tokens of each response are its outcome, the valid ones before
+        them its reasoning (a response of at most ``answer_tokens`` tokens has no reasoning)."""
+        m = response_mask.bool()
+        cut = m.sum(-1, keepdim=True) - self.answer_tokens
+        t = torch.arange(m.shape[-1], device=m.device)[None, :]
+        return m & (t < cut), m & (t >= cut)
+
+
+@dataclass(frozen=True)
 class MethodInfo:
     name: str
     kind: str  # "estimator" | "calibrator"
@@ -164,6 +201,7 @@ class MethodInfo:
     oracle: Optional[Callable[[Any], Optional[OraclePass]]] = None
     critic: Optional[Callable[[Any], CriticSpec]] = None
     continuations: Optional[Callable[[Any], ContinuationPass]] = None
+    saliency: Optional[Callable[[Any], SaliencyPass]] = None
     # the method reads an adapter's effect (ARCA's residual): a model without a LoRA adapter is an error
     needs_adapter: bool = False
     # when the signals read depend on the config (TACO's ar_lopti mode reads old_logprobs):
@@ -254,6 +292,8 @@ def _register(info: MethodInfo) -> None:
         raise ValueError(f"{info.name}: requires values but declares no critic (critic=...)")
     if {"mc_values", "step_starts"} & set(info.requires) and info.continuations is None:
         raise ValueError(f"{info.name}: requires mc_values / step_starts but declares no continuation pass (continuations=...)")
+    if "outcome_saliency" in info.requires and info.saliency is None:
+        raise ValueError(f"{info.name}: requires outcome_saliency but declares no saliency pass (saliency=...)")
     unknown = set(info.requires) - set(SIGNALS)
     if unknown:
         raise ValueError(f"{info.name}: requires unknown signal(s) {sorted(unknown)}; known: {SIGNALS}")
@@ -316,6 +356,7 @@ def register_calibrator(
     state_cls: Optional[type] = None,
     loss_defaults: Optional[Dict[str, Any]] = None,
     needs_adapter: bool = False,
+    saliency: Optional[Callable[[Any], SaliencyPass]] = None,
 ) -> Callable:
     """Decorator: register ``fn(batch, advantages, config, state) -> CreditOutput``."""
 
@@ -336,6 +377,7 @@ def register_calibrator(
                 state_cls=state_cls,
                 loss_defaults=dict(loss_defaults or {}),
                 needs_adapter=needs_adapter,
+                saliency=saliency,
             )
         )
         return fn

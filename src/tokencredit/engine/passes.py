@@ -197,6 +197,11 @@ def run_passes(
                             budget=inp.budget, sample=inp.sample, rewards=inp.continuation_rewards,
                             logprobs=res["logprobs"].cpu() if "logprobs" in res else None, T=inp.response_ids.shape[1])
         res.update({k: v.to(inp.response_ids.device) for k, v in mc.items()})
+    if plan.saliency is not None and "outcome_saliency" not in given:
+        from .saliency import outcome_saliency
+
+        res["outcome_saliency"] = outcome_saliency(plan.saliency, policy, inp.input_ids, inp.attention_mask, P,
+                                                   inp.response_mask, micro_batch_size=micro_batch_size)
     if plan.critic is not None:
         head_out = models.critic(res["hidden"]).squeeze(-1)
         res["values"] = torch.sigmoid(head_out) if plan.critic.transform == "sigmoid" else head_out

@@ -672,6 +672,7 @@ def config_plan(credit: CreditPipeline, cfg: TrainConfig, *, model=None, referen
             enumerable=enumerable,
             # continuations are scored with the task's reward (Task.reward), not reward.funcs' worker
             continuations=not cfg.reward.funcs,
+            saliency=True,  # the input-gradient pass (OAR-G): passes.run_passes on the policy
         )
     except PlanError as e:
         raise ConfigError(str(e)) from None

@@ -58,6 +58,8 @@ ESTIMATOR_PREFIX = "tc_"
 UNSUPPORTED_SIGNALS: Dict[str, str] = {
     "planning_mask": "the strategic-gram planning tokens of the decoded response (HICRA, SEPA) are not shipped to "
     "verl's workers; expected a spec without hicra/sepa here (the own trainer and TokenCreditGRPOTrainer compute them)",
+    "outcome_saliency": "OAR-G's input-gradient pass (a backward of the policy to its input embeddings each step) "
+    "runs in no verl worker; expected a spec without oar here (the own trainer computes it)",
 }
 #: the value of ``actor_rollout_ref.model.model_type`` that selects tokencredit's actor engine
 #: (:mod:`.engine`), which returns the worker signals below from the actor's forward
