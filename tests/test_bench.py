@@ -217,6 +217,29 @@ def test_quick_bench_writes_a_report_with_every_task_and_spec(quick):
         assert sorted(map(int, s["specs"]["oracle"]["curve"])) == [0, 3, 6]
 
 
+def test_a_bench_keeps_the_weights_of_its_fixed_steps_and_only_those(quick):
+    """Every run keeps its policy at kept_steps() (quick: 0, 3, 6; the full budget: 0, 10, ..., 40),
+    fixed before the runs: step 0 is the seed's initial policy, the last step the final checkpoint's."""
+    from tokencredit.train.checkpoint import load_latest_checkpoint
+
+    assert bench.kept_steps("carry") == [0, 10, 20, 30, 40]
+    assert bench.kept_steps("fork", quick=True) == [0, 3, 6]
+    out, _ = quick
+    for t in TASKS:
+        init = torch.load(out / "init" / f"{t}_seed1.pt", weights_only=True)
+        for spec in bench.QUICK_SPECS:
+            run = out / t / spec / "seed1"
+            kept = sorted(p.name for p in (run / bench.KEPT_DIR).iterdir())
+            assert kept == [f"step_{k:08d}.pt" for k in (0, 3, 6)]
+            k0 = torch.load(run / bench.KEPT_DIR / "step_00000000.pt", weights_only=True)
+            assert all(torch.equal(k0[k], init[k]) for k in init)
+            k6 = torch.load(run / bench.KEPT_DIR / "step_00000006.pt", weights_only=True)
+            _, sd = load_latest_checkpoint(run / "checkpoints")
+            assert all(torch.equal(k6[k], v) for k, v in sd["model"].items())
+            k3 = torch.load(run / bench.KEPT_DIR / "step_00000003.pt", weights_only=True)
+            assert not all(torch.equal(k3[k], k0[k]) for k in k0) and not all(torch.equal(k3[k], k6[k]) for k in k0)
+
+
 def test_quick_bench_success_is_the_exact_value_of_the_trained_policy(quick):
     """The logged success of an oracle run's last step is V(h_0) of its final weights, which
     equals the brute-force sum."""
@@ -274,7 +297,7 @@ class _Interrupting:
         self.init_dir, self.done = init_dir, False
 
     def __call__(self, cfg):
-        tr = bench.make_trainer(cfg, init_dir=self.init_dir)
+        tr = bench.make_trainer(cfg, init_dir=self.init_dir, keep=bench.kept_steps(cfg.task.name, quick=True))
         if cfg.credit == "oracle" and not self.done:
             self.done = True
             real, calls = tr.train_step, {"n": 0}
@@ -306,6 +329,12 @@ def test_a_resumed_bench_equals_an_uninterrupted_one(tmp_path):
         b = read_metrics(tmp_path / "cut" / "keytok" / spec / "seed0" / "metrics.jsonl")
         assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
     assert json.loads((tmp_path / "whole" / "summary.json").read_text()) == json.loads((tmp_path / "cut" / "summary.json").read_text())
+    for spec in ("grpo", "oracle"):  # the kept weights along the run too
+        a, b = (sorted((tmp_path / d / "keytok" / spec / "seed0" / bench.KEPT_DIR).glob("*.pt")) for d in ("whole", "cut"))
+        assert [p.name for p in a] == [p.name for p in b] == ["step_00000000.pt", "step_00000003.pt", "step_00000006.pt"]
+        for x, y in zip(a, b):
+            sx, sy = torch.load(x, weights_only=True), torch.load(y, weights_only=True)
+            assert sx.keys() == sy.keys() and all(torch.equal(sx[k], sy[k]) for k in sx)
     assert whole["summary"]["keytok"]["specs"]["oracle"]["auc"][0] == resumed["summary"]["keytok"]["specs"]["oracle"]["auc"][0]
 
 
@@ -340,3 +369,24 @@ def test_headroom_is_not_reported_where_oracle_does_not_separate_from_grpo():
     s = bench.summarize_task(same, threshold=0.5, budget=10)
     text = bench.render_bench_report({"keytok": s}, {}, {})
     assert "n/a (oracle ~ grpo)" in text and "the interval includes 0" in text
+
+
+def test_a_zero_width_interval_at_zero_is_not_called_a_separation():
+    """Oracle and GRPO equal to 1e-5 on every seed (what `--quick`'s 6 steps can give): the
+    interval is [0.000, 0.000] when printed and must read "no difference on any seed", with the
+    headroom n/a; a clear difference still reads as a separation."""
+    def rows(vals):
+        return [{"step": s, "bench/success": v} for s, v in zip((0, 3, 6), vals)]
+
+    res = {"grpo": {k: rows([0.1, 0.1 + 0.01 * k, 0.1]) for k in range(3)},
+           "oracle": {k: rows([0.1, 0.1 + 0.01 * k + 1e-5 * (k + 1), 0.1]) for k in range(3)}}
+    s = bench.summarize_task(res, threshold=0.5, budget=6)
+    assert s["specs"]["oracle"]["auc_vs_grpo"][1] > 0  # the raw interval excludes 0 ...
+    assert bench.oracle_separation(s) == "no difference"  # ... but by nothing a seed can show
+    text = bench.render_bench_report({"keytok": s}, {}, {})
+    assert "0.000 [0.000, 0.000]" in text and "no difference on any seed" in text
+    assert "excludes 0" not in text and "n/a (oracle ~ grpo)" in text
+    res["oracle"] = {k: rows([0.1, 0.3 + 0.01 * k, 0.5]) for k in range(3)}
+    s = bench.summarize_task(res, threshold=0.5, budget=6)
+    assert bench.oracle_separation(s) == "separates"
+    assert "the interval excludes 0: the task measures credit." in bench.render_bench_report({"keytok": s}, {}, {})
