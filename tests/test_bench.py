@@ -95,7 +95,17 @@ def test_rewards_read_what_the_task_says():
     assert REWARDS["keytok"]("bbbbabbb", ex) == 1.0
     assert REWARDS["keytok"]("aabaaaba", ex) == 0.0
     ex = {e.question: e for e in build("carry", 0, 100, 100)[1]}["11+01"]  # 3 + 1 = 4 = 100
-    assert ex.answer == "0101"  # s0=0 c1=1 s1=0 c2=1
+    assert ex.answer == "011011001"  # column 0: c0=0 x0=1 y0=1 s0=0; column 1: c1=1 x1=1 y1=0 s1=0; c2=1
+    assert REWARDS["carry"]("011011001", ex) == 1.0
+    assert REWARDS["carry"]("100000101", ex) == 1.0  # every work letter flipped: the work (carries in, digits) is not graded
+    assert REWARDS["carry"]("011111001", ex) == 0.0  # s0 wrong
+    assert REWARDS["carry"]("011011011", ex) == 0.0  # s1 wrong
+    assert REWARDS["carry"]("011011000", ex) == 0.0  # c2 wrong
+    assert REWARDS["carry"]("01101100", ex) == 0.0  # not the task's length
+    for e in build("carry", 0, 100, 100)[1]:  # every answer is the sum, every written carry the column's
+        a, b = (int(x, 2) for x in e.question.split("+"))
+        assert int(e.answer[8] + e.answer[7] + e.answer[3], 2) == a + b
+        assert e.answer[0] == "0" and int(e.answer[4]) == ((a & 1) + (b & 1)) >> 1
     ex = {e.question: e for e in build("fork", 0, 100, 100)[1]}["fork ca"]
     assert REWARDS["fork"]("cabbca", ex) == 1.0  # the fork (first letter) is the prompt's first letter; the rest free
     assert REWARDS["fork"]("cccccc", ex) == 1.0
@@ -143,6 +153,46 @@ def test_fork_structure_one_early_choice_decides_and_the_rest_is_free():
                                         group_ids=torch.tensor([0]), true_values=V))
             assert c[0, 1:].abs().max() < 1e-6  # the free letters' true credit is 0
             assert float(c[0, 0]) == pytest.approx(after - float(first[right]), abs=1e-6)  # the fork carries it all
+
+
+def test_carry_structure_a_wrong_answer_bit_decides_and_the_work_is_not_graded():
+    """carry's exact V, against what the task says: after a wrong answer bit (s0, s1 or c2) V is
+    exactly 0 for the rest of the response (success unreachable), and the value of a prefix does
+    not depend on the reward reading the work: a response with the right answer and wrong work has
+    V = 1 at its end, and before its last answer bit V equals the policy's probability of that bit."""
+    from tokencredit.data.controlled import CARRY_ANSWER
+
+    task = "carry"
+    space = CONTROLLED[task].space
+    assert (space.alphabet, space.length, CARRY_ANSWER) == ("01", 9, (3, 7, 8))
+    model, tok = bench_policy(task, seed=2, warm=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    ids = alphabet_ids(tok, space)
+    ex = {e.question: e for e in build(task, 0, 100, 100)[1]}["10+11"]  # 2 + 3 = 5 = 101
+    prompt = _prompt(tok, ex)
+
+    def values(resp_text):
+        resp = [ids[space.alphabet.index(ch)] for ch in resp_text]
+        inp = torch.tensor([prompt + resp])
+        return batch_true_values(model, inp, torch.ones_like(inp), len(prompt), torch.tensor([resp]),
+                                 torch.ones(1, space.length), torch.tensor([0]), ids, space.length,
+                                 lambda row, leaves: torch.tensor([REWARDS[task](tok.decode(x), ex) for x in leaves.tolist()]),
+                                 temperature=1.0)[0], resp
+
+    assert ex.answer == "001101101"  # column 0: c0=0 x0=0 y0=1 s0=1; column 1: c1=0 x1=1 y1=1 s1=0; c2=1
+    for pos in CARRY_ANSWER:  # one wrong answer bit: V is 0 from the step after it on
+        wrong = list(ex.answer)
+        wrong[pos] = "1" if wrong[pos] == "0" else "0"
+        V, _ = values("".join(wrong))
+        assert 0.0 < float(V[pos]) < 1.0
+        assert V[pos + 1:].tolist() == pytest.approx([0.0] * (space.length - pos - 1), abs=1e-9)
+    text = "110" + ex.answer[3] + "100" + ex.answer[7:]  # right answer, wrong work
+    assert text != ex.answer and REWARDS[task](text, ex) == 1.0
+    V, resp = values(text)
+    with torch.no_grad():
+        last = torch.softmax(model(input_ids=torch.tensor([prompt + resp[:8]])).logits[0, -1].double(), -1)
+    assert float(V[8]) == pytest.approx(float(last[resp[8]]), abs=1e-6)
 
 
 def _credit_batch(B=5, T=6, seed=0):
