@@ -95,7 +95,17 @@ def test_rewards_read_what_the_task_says():
     assert REWARDS["keytok"]("bbbbabbb", ex) == 1.0
     assert REWARDS["keytok"]("aabaaaba", ex) == 0.0
     ex = {e.question: e for e in build("carry", 0, 100, 100)[1]}["11+01"]  # 3 + 1 = 4 = 100
-    assert ex.answer == "0101"  # s0=0 c1=1 s1=0 c2=1
+    assert ex.answer == "011011001"  # column 0: c0=0 x0=1 y0=1 s0=0; column 1: c1=1 x1=1 y1=0 s1=0; c2=1
+    assert REWARDS["carry"]("011011001", ex) == 1.0
+    assert REWARDS["carry"]("100000101", ex) == 1.0  # every work letter flipped: the work (carries in, digits) is not graded
+    assert REWARDS["carry"]("011111001", ex) == 0.0  # s0 wrong
+    assert REWARDS["carry"]("011011011", ex) == 0.0  # s1 wrong
+    assert REWARDS["carry"]("011011000", ex) == 0.0  # c2 wrong
+    assert REWARDS["carry"]("01101100", ex) == 0.0  # not the task's length
+    for e in build("carry", 0, 100, 100)[1]:  # every answer is the sum, every written carry the column's
+        a, b = (int(x, 2) for x in e.question.split("+"))
+        assert int(e.answer[8] + e.answer[7] + e.answer[3], 2) == a + b
+        assert e.answer[0] == "0" and int(e.answer[4]) == ((a & 1) + (b & 1)) >> 1
     ex = {e.question: e for e in build("fork", 0, 100, 100)[1]}["fork ca"]
     assert REWARDS["fork"]("cabbca", ex) == 1.0  # the fork (first letter) is the prompt's first letter; the rest free
     assert REWARDS["fork"]("cccccc", ex) == 1.0
@@ -143,6 +153,46 @@ def test_fork_structure_one_early_choice_decides_and_the_rest_is_free():
                                         group_ids=torch.tensor([0]), true_values=V))
             assert c[0, 1:].abs().max() < 1e-6  # the free letters' true credit is 0
             assert float(c[0, 0]) == pytest.approx(after - float(first[right]), abs=1e-6)  # the fork carries it all
+
+
+def test_carry_structure_a_wrong_answer_bit_decides_and_the_work_is_not_graded():
+    """carry's exact V, against what the task says: after a wrong answer bit (s0, s1 or c2) V is
+    exactly 0 for the rest of the response (success unreachable), and the value of a prefix does
+    not depend on the reward reading the work: a response with the right answer and wrong work has
+    V = 1 at its end, and before its last answer bit V equals the policy's probability of that bit."""
+    from tokencredit.data.controlled import CARRY_ANSWER
+
+    task = "carry"
+    space = CONTROLLED[task].space
+    assert (space.alphabet, space.length, CARRY_ANSWER) == ("01", 9, (3, 7, 8))
+    model, tok = bench_policy(task, seed=2, warm=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    ids = alphabet_ids(tok, space)
+    ex = {e.question: e for e in build(task, 0, 100, 100)[1]}["10+11"]  # 2 + 3 = 5 = 101
+    prompt = _prompt(tok, ex)
+
+    def values(resp_text):
+        resp = [ids[space.alphabet.index(ch)] for ch in resp_text]
+        inp = torch.tensor([prompt + resp])
+        return batch_true_values(model, inp, torch.ones_like(inp), len(prompt), torch.tensor([resp]),
+                                 torch.ones(1, space.length), torch.tensor([0]), ids, space.length,
+                                 lambda row, leaves: torch.tensor([REWARDS[task](tok.decode(x), ex) for x in leaves.tolist()]),
+                                 temperature=1.0)[0], resp
+
+    assert ex.answer == "001101101"  # column 0: c0=0 x0=0 y0=1 s0=1; column 1: c1=0 x1=1 y1=1 s1=0; c2=1
+    for pos in CARRY_ANSWER:  # one wrong answer bit: V is 0 from the step after it on
+        wrong = list(ex.answer)
+        wrong[pos] = "1" if wrong[pos] == "0" else "0"
+        V, _ = values("".join(wrong))
+        assert 0.0 < float(V[pos]) < 1.0
+        assert V[pos + 1:].tolist() == pytest.approx([0.0] * (space.length - pos - 1), abs=1e-9)
+    text = "110" + ex.answer[3] + "100" + ex.answer[7:]  # right answer, wrong work
+    assert text != ex.answer and REWARDS[task](text, ex) == 1.0
+    V, resp = values(text)
+    with torch.no_grad():
+        last = torch.softmax(model(input_ids=torch.tensor([prompt + resp[:8]])).logits[0, -1].double(), -1)
+    assert float(V[8]) == pytest.approx(float(last[resp[8]]), abs=1e-6)
 
 
 def _credit_batch(B=5, T=6, seed=0):
@@ -217,6 +267,29 @@ def test_quick_bench_writes_a_report_with_every_task_and_spec(quick):
         assert sorted(map(int, s["specs"]["oracle"]["curve"])) == [0, 3, 6]
 
 
+def test_a_bench_keeps_the_weights_of_its_fixed_steps_and_only_those(quick):
+    """Every run keeps its policy at kept_steps() (quick: 0, 3, 6; the full budget: 0, 10, ..., 40),
+    fixed before the runs: step 0 is the seed's initial policy, the last step the final checkpoint's."""
+    from tokencredit.train.checkpoint import load_latest_checkpoint
+
+    assert bench.kept_steps("carry") == [0, 10, 20, 30, 40]
+    assert bench.kept_steps("fork", quick=True) == [0, 3, 6]
+    out, _ = quick
+    for t in TASKS:
+        init = torch.load(out / "init" / f"{t}_seed1.pt", weights_only=True)
+        for spec in bench.QUICK_SPECS:
+            run = out / t / spec / "seed1"
+            kept = sorted(p.name for p in (run / bench.KEPT_DIR).iterdir())
+            assert kept == [f"step_{k:08d}.pt" for k in (0, 3, 6)]
+            k0 = torch.load(run / bench.KEPT_DIR / "step_00000000.pt", weights_only=True)
+            assert all(torch.equal(k0[k], init[k]) for k in init)
+            k6 = torch.load(run / bench.KEPT_DIR / "step_00000006.pt", weights_only=True)
+            _, sd = load_latest_checkpoint(run / "checkpoints")
+            assert all(torch.equal(k6[k], v) for k, v in sd["model"].items())
+            k3 = torch.load(run / bench.KEPT_DIR / "step_00000003.pt", weights_only=True)
+            assert not all(torch.equal(k3[k], k0[k]) for k in k0) and not all(torch.equal(k3[k], k6[k]) for k in k0)
+
+
 def test_quick_bench_success_is_the_exact_value_of_the_trained_policy(quick):
     """The logged success of an oracle run's last step is V(h_0) of its final weights, which
     equals the brute-force sum."""
@@ -274,7 +347,7 @@ class _Interrupting:
         self.init_dir, self.done = init_dir, False
 
     def __call__(self, cfg):
-        tr = bench.make_trainer(cfg, init_dir=self.init_dir)
+        tr = bench.make_trainer(cfg, init_dir=self.init_dir, keep=bench.kept_steps(cfg.task.name, quick=True))
         if cfg.credit == "oracle" and not self.done:
             self.done = True
             real, calls = tr.train_step, {"n": 0}
@@ -306,6 +379,12 @@ def test_a_resumed_bench_equals_an_uninterrupted_one(tmp_path):
         b = read_metrics(tmp_path / "cut" / "keytok" / spec / "seed0" / "metrics.jsonl")
         assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
     assert json.loads((tmp_path / "whole" / "summary.json").read_text()) == json.loads((tmp_path / "cut" / "summary.json").read_text())
+    for spec in ("grpo", "oracle"):  # the kept weights along the run too
+        a, b = (sorted((tmp_path / d / "keytok" / spec / "seed0" / bench.KEPT_DIR).glob("*.pt")) for d in ("whole", "cut"))
+        assert [p.name for p in a] == [p.name for p in b] == ["step_00000000.pt", "step_00000003.pt", "step_00000006.pt"]
+        for x, y in zip(a, b):
+            sx, sy = torch.load(x, weights_only=True), torch.load(y, weights_only=True)
+            assert sx.keys() == sy.keys() and all(torch.equal(sx[k], sy[k]) for k in sx)
     assert whole["summary"]["keytok"]["specs"]["oracle"]["auc"][0] == resumed["summary"]["keytok"]["specs"]["oracle"]["auc"][0]
 
 
@@ -340,3 +419,24 @@ def test_headroom_is_not_reported_where_oracle_does_not_separate_from_grpo():
     s = bench.summarize_task(same, threshold=0.5, budget=10)
     text = bench.render_bench_report({"keytok": s}, {}, {})
     assert "n/a (oracle ~ grpo)" in text and "the interval includes 0" in text
+
+
+def test_a_zero_width_interval_at_zero_is_not_called_a_separation():
+    """Oracle and GRPO equal to 1e-5 on every seed (what `--quick`'s 6 steps can give): the
+    interval is [0.000, 0.000] when printed and must read "no difference on any seed", with the
+    headroom n/a; a clear difference still reads as a separation."""
+    def rows(vals):
+        return [{"step": s, "bench/success": v} for s, v in zip((0, 3, 6), vals)]
+
+    res = {"grpo": {k: rows([0.1, 0.1 + 0.01 * k, 0.1]) for k in range(3)},
+           "oracle": {k: rows([0.1, 0.1 + 0.01 * k + 1e-5 * (k + 1), 0.1]) for k in range(3)}}
+    s = bench.summarize_task(res, threshold=0.5, budget=6)
+    assert s["specs"]["oracle"]["auc_vs_grpo"][1] > 0  # the raw interval excludes 0 ...
+    assert bench.oracle_separation(s) == "no difference"  # ... but by nothing a seed can show
+    text = bench.render_bench_report({"keytok": s}, {}, {})
+    assert "0.000 [0.000, 0.000]" in text and "no difference on any seed" in text
+    assert "excludes 0" not in text and "n/a (oracle ~ grpo)" in text
+    res["oracle"] = {k: rows([0.1, 0.3 + 0.01 * k, 0.5]) for k in range(3)}
+    s = bench.summarize_task(res, threshold=0.5, budget=6)
+    assert bench.oracle_separation(s) == "separates"
+    assert "the interval excludes 0: the task measures credit." in bench.render_bench_report({"keytok": s}, {}, {})

@@ -55,3 +55,56 @@ def test_step0_fidelity_scores_the_oracle_as_the_true_credit(bf):
     assert "rank_corr" not in per["grpo"] or np.isnan(per["grpo"]["rank_corr"])  # uniform credit has no ranking
     assert 0.5 < per["grpo"]["sign_agreement"] < 1.0
     assert skipped == ["pact"]  # its critic exists only inside a run
+
+
+def test_fidelity_along_a_run_scores_each_kept_checkpoint_against_its_own_true_credit(bf, tmp_path, monkeypatch):
+    """A quick bench keeps 0, 3, 6; at each, the oracle's credit replayed on a batch of its own
+    run's policy is that checkpoint's exact true credit (scores 1), and the reference log-probs
+    are the initial policy's (0 divergence at step 0, not at step 6 of a run that moved)."""
+    import torch
+
+    from tokencredit.analysis import bench
+
+    out = tmp_path / "b"
+    bench.run_bench(tasks="keytok", specs="grpo,oracle", seeds="0", quick=True, output_dir=out, workers=1, progress=False)
+    res = bf.run_fidelity(out, "keytok", 0, ["grpo", "oracle", "pact"], 2, [0, 3, 6])
+    assert sorted(res) == [0, 3, 6]
+    for step, (per, skipped) in res.items():
+        assert per["oracle"]["sign_agreement"] == pytest.approx(1.0) and per["oracle"]["rank_corr"] == pytest.approx(1.0)
+        assert 0.0 < per["grpo"]["sign_agreement"] <= 1.0
+        assert "pact" in skipped
+    # each later batch is sampled from that spec's own run at that step, its reference the initial policy
+    seen = []
+    real = bf.batch_fidelity
+
+    def spy(task, seed, specs, samples, model, ref, **kw):
+        seen.append((tuple(specs), kw["sample_seed"], {k: v.clone() for k, v in model.state_dict().items()},
+                     {k: v.clone() for k, v in ref.state_dict().items()}))
+        return real(task, seed, specs, samples, model, ref, **kw)
+
+    monkeypatch.setattr(bf, "batch_fidelity", spy)
+    bf.run_fidelity(out, "keytok", 0, ["grpo", "oracle"], 2, [0, 6])
+    init = torch.load(out / "init" / "keytok_seed0.pt", weights_only=True)
+    for specs, _, model_sd, ref_sd in seen:
+        assert all(torch.equal(ref_sd[k], init[k]) for k in init)
+    assert [(sp, ss) for sp, ss, _, _ in seen] == [(("grpo", "oracle"), 0), (("grpo",), 6), (("oracle",), 6)]
+    for (specs, _, model_sd, _), run in zip(seen[1:], ("grpo", "oracle")):
+        kept = torch.load(out / "keytok" / run / "seed0" / bench.KEPT_DIR / "step_00000006.pt", weights_only=True)
+        assert all(torch.equal(model_sd[k], kept[k]) for k in kept)
+    monkeypatch.undo()
+    m6 = bf.kept_policy(out, "keytok", "oracle", 0, 6)
+    m0 = bf.kept_policy(out, "keytok", "oracle", 0, 0)
+    assert not all(torch.equal(a, b) for a, b in zip(m6.parameters(), m0.parameters()))
+    # the reference log-probs of a step-6 batch are the initial policy's, not the batch's own
+    from tokencredit.analysis.fidelity.exact import exact_estimates
+    from tokencredit.data.controlled import CONTROLLED, REWARDS, build
+    from tokencredit.engine.exactvalue import alphabet_ids
+
+    tok = bf._tokenizer()
+    _, ev = build("keytok", 0, 100, 2)
+    space = CONTROLLED["keytok"].space
+    est = exact_estimates(m6, tok, ev, REWARDS["keytok"], samples=2, max_new_tokens=space.length, temperature=1.0, seed=0,
+                          allowed=alphabet_ids(tok, space) + [tok.eos_token_id], stop=[tok.eos_token_id])
+    own = est["rollouts"]["signals"]["logprobs"]
+    assert bf._ref_logprobs(m6, est, 1.0) == pytest.approx(own, abs=1e-4)  # the forward agrees with the exact tier's
+    assert (bf._ref_logprobs(m0, est, 1.0) - own).abs().max() > 1e-3

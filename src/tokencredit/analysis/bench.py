@@ -38,7 +38,7 @@ from ..errors import BenchError  # noqa: F401 (defined in errors; importable her
 
 __all__ = [
     "SUITE", "DEFAULT_SPECS", "QUICK_SPECS", "TaskSettings", "SETTINGS", "BenchError", "BenchTrainer",
-    "parse_tasks", "bench_config", "run_bench", "summarize_task", "bootstrap", "write_bench_report",
+    "parse_tasks", "bench_config", "kept_steps", "KEPT_DIR", "run_bench", "summarize_task", "bootstrap", "write_bench_report", "oracle_separation",
 ]
 
 SUITE = ("keytok", "carry", "fork")
@@ -62,6 +62,7 @@ class TaskSettings:
     lr: float
     eval_every: int
     threshold: float  # the success rate "steps to threshold" waits for
+    keep_every: int = 10  # the policy's weights are kept at every multiple of it (step 0 included): KEPT_DIR
     prompts_per_step: int = 8
     samples_per_prompt: int = 8
     temperature: float = 1.0
@@ -74,6 +75,10 @@ SETTINGS: Dict[str, TaskSettings] = {
 }
 QUICK_STEPS = 6
 QUICK_EVAL_EVERY = 3
+#: every run keeps its policy's weights at the steps kept_steps() names (fixed before the runs),
+#: as ``<run>/KEPT_DIR/step_XXXXXXXX.pt`` (the trainer's own checkpoints keep only the last):
+#: what scripts/bench_fidelity.py scores each spec's credit on along its run
+KEPT_DIR = "kept"
 #: a budget with fewer eval points than this cannot draw a curve
 MIN_EVALS = 2
 
@@ -89,6 +94,15 @@ def parse_tasks(value: Any) -> List[str]:
     if len(set(tasks)) != len(tasks):
         raise BenchError(f"--tasks: a task given twice in {value!r}")
     return tasks
+
+
+def kept_steps(task: str, *, steps: Optional[int] = None, quick: bool = False) -> List[int]:
+    """The steps whose weights a run of ``task`` keeps: 0 and every multiple of the task's
+    ``keep_every`` up to the budget (QUICK_EVAL_EVERY with ``quick``), the last step included."""
+    s = SETTINGS[task]
+    n = steps if steps is not None else (QUICK_STEPS if quick else s.steps)
+    every = QUICK_EVAL_EVERY if quick else s.keep_every
+    return sorted(set(range(0, n + 1, every)) | {n})
 
 
 def bench_config(task: str, *, steps: Optional[int] = None, eval_every: Optional[int] = None):
@@ -133,15 +147,31 @@ def _trainer_class():
         """The own trainer; its eval adds ``bench/success``, the policy's exact success rate on the
         eval questions (mean V(h_0), enumerated: :func:`tokencredit.engine.exactvalue.prompt_values`)."""
 
+        #: the steps whose weights this run keeps (set by make_trainer; none: keep none)
+        keep_steps: Tuple[int, ...] = ()
+
         def evaluate(self) -> Dict[str, float]:
             from ..engine.exactvalue import prompt_values
 
+            if self.step in self.keep_steps:
+                self.keep_weights()
             metrics = super().evaluate()
             cache = self.__dict__.setdefault("_bench_leaf_cache", {})
             v = prompt_values(self.model, self.tokenizer, self.task.eval, self.task.response_space, self.task.reward,
                               temperature=self._temperature(), cache=cache)
             metrics["bench/success"] = float(v.mean())
             return metrics
+
+        def keep_weights(self) -> Path:
+            """The policy's weights at this step, ``<run>/kept/step_XXXXXXXX.pt`` (written atomically)."""
+            import torch
+
+            path = self.out / KEPT_DIR / f"step_{self.step:08d}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}, tmp)
+            tmp.replace(path)
+            return path
 
     return BenchTrainer
 
@@ -152,12 +182,15 @@ def __getattr__(name):  # BenchTrainer imports the trainer only when asked for
     raise AttributeError(name)
 
 
-def make_trainer(cfg, init_dir: Optional[str] = None):
-    """A :class:`BenchTrainer` for ``cfg`` on its task's seeded policy (cached in ``init_dir``)."""
+def make_trainer(cfg, init_dir: Optional[str] = None, keep: Sequence[int] = ()):
+    """A :class:`BenchTrainer` for ``cfg`` on its task's seeded policy (cached in ``init_dir``),
+    keeping its weights at the steps ``keep`` (evaluated steps only: :func:`kept_steps`)."""
     from .bench_policy import cached_policy
 
     model, tok = cached_policy(cfg.task.name, cfg.seed, Path(init_dir) if init_dir else None)
-    return _trainer_class()(cfg, model=model, tokenizer=tok)
+    tr = _trainer_class()(cfg, model=model, tokenizer=tok)
+    tr.keep_steps = tuple(keep)
+    return tr
 
 
 def check_runnable(task: str, spec: str, out: Path) -> None:
@@ -183,7 +216,8 @@ def _job(task: str, spec: str, seed: int, out: str, steps: Optional[int], eval_e
 
     torch.set_num_threads(1)
     cfg = run_config(bench_config(task, steps=steps, eval_every=eval_every), spec, seed, Path(out) / task)
-    factory = trainer_factory or partial(make_trainer, init_dir=str(Path(out) / "init"))
+    keep = kept_steps(task, steps=steps, quick=eval_every == QUICK_EVAL_EVERY)
+    factory = trainer_factory or partial(make_trainer, init_dir=str(Path(out) / "init"), keep=keep)
     status = run_one(cfg, factory, log=lambda s: None)
     return task, spec, seed, status
 
@@ -414,6 +448,34 @@ def _plot(task: str, summary: Dict[str, Any], results, path: Path) -> None:
     plt.close(fig)
 
 
+#: a paired AUC difference smaller than this on a seed is "no difference" (the report prints 3 decimals)
+NO_DIFFERENCE = 5e-4
+_VERDICT_TEXT = {
+    "separates": "the interval excludes 0: the task measures credit.",
+    "includes 0": "the interval includes 0: on this budget the task does not separate oracle credit from GRPO.",
+    "no difference": f"no difference on any seed (every seed's |oracle - grpo| AUC < {NO_DIFFERENCE:g}): on this budget "
+                     "the task does not separate oracle credit from GRPO.",
+}
+
+
+def oracle_separation(summary: Dict[str, Any]) -> Optional[str]:
+    """Whether oracle credit separates from GRPO on one task's :func:`summarize_task` output:
+    ``"separates"`` where the printed interval of oracle - grpo AUC excludes 0 (its nearer end at
+    least NO_DIFFERENCE away from 0), ``"no difference"`` where no seed's paired difference reaches
+    NO_DIFFERENCE (a zero-width interval at 0 is not a separation), else ``"includes 0"``; None
+    without both specs."""
+    specs = summary.get("specs", {})
+    o = specs.get("oracle", {}).get("auc_vs_grpo")
+    if o is None or "grpo" not in specs:
+        return None
+    d = np.asarray(specs["oracle"]["per_seed_auc"], dtype=float) - np.asarray(specs["grpo"]["per_seed_auc"], dtype=float)
+    if len(d) and np.all(np.abs(d) < NO_DIFFERENCE):
+        return "no difference"
+    if math.isfinite(o[1]) and (o[1] >= NO_DIFFERENCE or o[2] <= -NO_DIFFERENCE):
+        return "separates"
+    return "includes 0"
+
+
 def render_bench_report(summaries: Dict[str, Dict[str, Any]], plots: Dict[str, str], meta: Dict[str, Any]) -> str:
     lines = ["# tokencredit bench", ""]
     for k, v in meta.items():
@@ -428,7 +490,8 @@ def render_bench_report(summaries: Dict[str, Dict[str, Any]], plots: Dict[str, s
         lines += [f"## {task}", "", f"seeds {','.join(map(str, s['seeds']))}; threshold {s['threshold']}; budget {s['budget']} steps; "
                   f"smallest AUC difference to GRPO the seeds detect (80% power, 5% two-sided): {s['mde_auc']:.3f}", ""]
         o = s["specs"].get("oracle", {}).get("auc_vs_grpo")
-        sep = o is not None and math.isfinite(o[1]) and (o[1] > 0 or o[2] < 0)
+        verdict = oracle_separation(s)
+        sep = verdict == "separates"
         lines.append("| spec | initial | AUC | AUC - grpo | headroom recovered | final success | final greedy | steps to threshold (reached) |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
         for spec, r in s["specs"].items():
@@ -438,8 +501,7 @@ def render_bench_report(summaries: Dict[str, Dict[str, Any]], plots: Dict[str, s
                 _fmt(r["final"]), _fmt(r["greedy_final"]),
                 f"{_fmt(r['steps_to'], 1)} ({r['reached']}/{len(s['seeds'])})"]) + " |")
         if o is not None:
-            lines += ["", f"oracle - grpo AUC: {_fmt(o)}: " + ("the interval excludes 0: the task measures credit." if sep else
-                      "the interval includes 0: on this budget the task does not separate oracle credit from GRPO.")]
+            lines += ["", f"oracle - grpo AUC: {_fmt(o)}: " + _VERDICT_TEXT[verdict]]
         if task in plots:
             lines += ["", f"![{task}]({plots[task]})"]
         lines.append("")

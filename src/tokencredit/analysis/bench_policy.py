@@ -12,7 +12,7 @@ to its task's response alphabet, warm-started in a few seconds on noisy demonstr
 * The warm start (:func:`warm_start`) is supervised: ``WARM_STEPS`` AdamW steps of cross-entropy
   on the task's noisy demonstrations (:func:`tokencredit.data.controlled.demonstration`), drawn from
   the seed. No task is warm-started at present: the near-uniform initial policy already
-  succeeds 1/8 (keytok), 1/16 (carry) and 1/3 (fork) of the time.
+  succeeds 1/8 (keytok), 1/8 (carry) and 1/3 (fork) of the time.
 
 The result of a (task, seed) is cached as a ``weights_only`` state dict (:func:`cached_policy`)
 so that every spec of a seed starts from the same weights (paired seeds) without repeating it.

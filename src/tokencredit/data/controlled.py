@@ -12,11 +12,18 @@ keytok   "key aba" -> 8 letters over {a, b}; reward 1 iff letters 2, 5 and 7 are
          credit gives the 5 free tokens the sequence's advantage too, a random-sign push that is
          pure noise (and spends the clip range and the gradient norm); the true credit of a free
          token is 0. 8 questions.
-carry    "10+11" (2-bit binary numbers) -> the written-out addition, least significant bit
-         first: s0 c1 s1 c2 (sum bit, carry bit, per column); reward 1 iff all four are right.
-         Multi-step with intermediate results: one wrong bit decides the outcome (the value
-         drops to 0 there), yet uniform credit blames every correct step of a failed response
-         as much as the wrong one. 16 questions.
+carry    "10+11" (2-bit binary numbers) -> the addition written out column by column, least
+         significant first: per column its carry in, its two digits and its sum bit
+         (c_i x_i y_i s_i), then the final carry c2 ("11+01" -> 0110 1100 1); reward 1 iff the
+         answer bits s0, s1, c2 (letters 4, 8, 9: the sum a + b) are right. The work (the carries
+         in, the copied digits) is written out but not graded, as a math reward reads the answer
+         and not the working. Multi-step arithmetic where one step's error decides the outcome: a
+         wrong answer bit makes success unreachable (V drops to 0 there). Uniform credit gives the
+         6 work tokens (high entropy under the near-uniform policy; their true credit is what V
+         says, about 0 while the policy does not read its own working) the sequence's advantage
+         too, and blames the right answer bits of a failed response as much as the wrong one.
+         16 questions. (The first carry, ``s0 c1 s1 c2`` with every bit graded, did not separate
+         oracle credit from GRPO: nothing in it was free; see docs/benchmark.md.)
 fork     "fork ca" -> 6 letters over {a, b, c}; reward 1 iff the first letter is the prompt's first
          letter (``c.....``). A forking token: the first letter is a three-way choice that decides
          the outcome (a wrong fork makes success unreachable, the right one makes it certain); the
@@ -34,7 +41,7 @@ fork     "fork ca" -> 6 letters over {a, b, c}; reward 1 iff the first letter is
 
 The policies ``tokencredit bench`` trains on them (:mod:`tokencredit.analysis.bench_policy`) start from a
 seed, near uniform over the alphabet, so that on each task the initial success rate is between 5%
-and 50% (keytok ~1/8, carry ~1/16, fork ~1/3); a task may warm-start it on noisy demonstrations
+and 50% (keytok ~1/8, carry ~1/8, fork ~1/3); a task may warm-start it on noisy demonstrations
 (:func:`demonstration`, ``bench_policy.WARM_STEPS``), none does at present.
 """
 
@@ -48,7 +55,7 @@ from typing import Callable, Dict, List, Tuple
 from .datasource import Example
 from ..engine.exactvalue import ResponseSpace
 
-__all__ = ["CONTROLLED", "ControlledTask", "build", "demonstration", "solution", "fork_reward"]
+__all__ = ["CONTROLLED", "ControlledTask", "build", "demonstration", "solution", "fork_reward", "carry_reward"]
 
 EVAL_SEED = 1234
 
@@ -88,13 +95,17 @@ def _carry_questions() -> List[Tuple[str, str]]:
 
 
 def _carry_trace(a: int, b: int) -> str:
+    """a + b written out LSB first, per column c_i x_i y_i s_i (carry in, digits, sum bit), then c2."""
     c, s = 0, []
     for i in range(2):
         x, y = (a >> i) & 1, (b >> i) & 1
-        s += [str(x ^ y ^ c)]
+        s += [str(c), str(x), str(y), str(x ^ y ^ c)]
         c = (x + y + c) >> 1
-        s += [str(c)]
-    return "".join(s)
+    return "".join(s + [str(c)])
+
+
+#: carry's graded positions (0-based): the answer bits s0, s1, c2 (letters 4, 8, 9); the rest is work
+CARRY_ANSWER = (3, 7, 8)
 
 
 def _fork_questions() -> List[Tuple[str, str]]:
@@ -114,8 +125,9 @@ CONTROLLED: Dict[str, ControlledTask] = {
     for t in (
         ControlledTask("keytok", ResponseSpace("ab", 8), "key tokens: 3 of 8 letters decide the reward, 5 are free (8 questions)",
                        _keytok_questions, warm=(0.5, 0.5)),
-        ControlledTask("carry", ResponseSpace("01", 4), "2-bit binary addition written out bit by bit with its carries; "
-                       "every step must be right (16 questions)", _carry_questions, warm=(0.75, 0.75)),
+        ControlledTask("carry", ResponseSpace("01", 9), "2-bit binary addition written out column by column (carry in, "
+                       "digits, sum bit; then the last carry); the answer bits decide, the work is not graded (16 questions)",
+                       _carry_questions, warm=(0.5, 0.5)),
         ControlledTask("fork", ResponseSpace(FORK_ALPHABET, FORK_LENGTH), "forking token: the first of 6 letters over "
                        "{a, b, c} (the prompt's first letter) decides the outcome, the 5 after it are free (9 questions)",
                        _fork_questions, warm=(1 / 3, 1 / 3)),
@@ -128,15 +140,17 @@ def solution(example: Example) -> str:
     return str(example.answer)
 
 
-def exact_reward(completion: str, example: Example) -> float:
-    """1.0 iff the response is the correct one (surrounding whitespace ignored), else 0.0."""
-    return 1.0 if completion.strip() == str(example.answer) else 0.0
-
-
 def keytok_reward(completion: str, example: Example) -> float:
     """1.0 iff the key positions hold the key's letters (the free positions are not read)."""
     c, want = completion.strip(), str(example.answer)
     return 1.0 if len(c) == len(want) and all(c[p] == want[p] for p in KEY_POSITIONS) else 0.0
+
+
+def carry_reward(completion: str, example: Example) -> float:
+    """1.0 iff the response has the task's length and its answer bits (CARRY_ANSWER: s0, s1, c2)
+    are the sum's (the work around them is not read)."""
+    c, want = completion.strip(), str(example.answer)
+    return 1.0 if len(c) == len(want) and all(c[p] == want[p] for p in CARRY_ANSWER) else 0.0
 
 
 def fork_reward(completion: str, example: Example) -> float:
@@ -146,7 +160,7 @@ def fork_reward(completion: str, example: Example) -> float:
     return 1.0 if len(c) == len(want) and c[:1] == want[:1] else 0.0
 
 
-REWARDS: Dict[str, Callable[[str, Example], float]] = {"keytok": keytok_reward, "carry": exact_reward, "fork": fork_reward}
+REWARDS: Dict[str, Callable[[str, Example], float]] = {"keytok": keytok_reward, "carry": carry_reward, "fork": fork_reward}
 
 
 def _example(name: str, question: str, answer: str) -> Example:
@@ -167,14 +181,7 @@ def build(name: str, seed: int, n_train: int, n_eval: int) -> Tuple[List[Example
 
 
 def demonstration(name: str, example: Example, rng: random.Random) -> str:
-    """A noisy demonstration for the warm start: the correct response with each token kept with
-    the task's warm probabilities (``ControlledTask.warm``), else flipped to the other letter.
-    keytok and fork: letters uniform at random (the policy starts from the near-uniform one);
-    carry: every bit right with probability warm[0]."""
-    t = CONTROLLED[name]
-    a = t.space.alphabet
-    want = str(example.answer)
-    if name in ("keytok", "fork"):
-        return "".join(rng.choice(a) for _ in want)
-    flip = {a[0]: a[1], a[1]: a[0]}
-    return "".join(ch if rng.random() < t.warm[0] else flip[ch] for ch in want)
+    """A demonstration for the warm start: the task's length in letters uniform at random (every
+    task's policy starts from the near-uniform one; none is warm-started at present)."""
+    a = CONTROLLED[name].space.alphabet
+    return "".join(rng.choice(a) for _ in str(example.answer))

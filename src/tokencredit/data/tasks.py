@@ -415,7 +415,7 @@ _DESCRIPTIONS = {
     "mix": "equal shares of " + ", ".join(MIX_PARTS),
     "chain": "two-step chains a + b - c > 0 (a, b, c in 2..9) solved step by step after a worked example turn, 455 questions",
     "keytok": "key tokens: 3 of 8 letters decide the reward, 5 are free (controlled, enumerable)",
-    "carry": "2-bit binary addition written out with its carries, every step decisive (controlled, enumerable)",
+    "carry": "2-bit binary addition written out column by column; the answer bits decide, the work is free (controlled, enumerable)",
     "fork": "forking token: the first of 6 letters decides the outcome, 5 free letters follow (controlled, enumerable)",
     "gsm8k": "GSM8K (hub openai/gsm8k or a local file), math-verify reward",
     "math": "MATH (hub DigitalLearningGmbH/MATH-lighteval or a local file), math-verify reward",

@@ -145,7 +145,8 @@ def _sample(tree: Dict[Node, torch.Tensor], allowed: Sequence[int], gen: torch.G
 def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[[str, Any], float], *, samples: int = 4,
                     max_new_tokens: int = 3, temperature: float = 1.0, seed: int = 0,
                     allowed: Optional[Sequence[int]] = None, stop: Optional[Sequence[int]] = None,
-                    oracle_prompt: Optional[Callable[[str, str], str]] = None, policy: str = "") -> Dict[str, Any]:
+                    oracle_prompt: Optional[Callable[[str, str], str]] = None, policy: str = "",
+                    oracle: bool = True) -> Dict[str, Any]:
     """A batch of ``samples`` responses to each example, drawn from the restricted policy, with
     exact V at every position; returned as a fidelity estimates dict (``tokencredit.analysis.fidelity``
     format, ``settings["exact"] = True``, M = 2 identical "samples" of the exact V).
@@ -153,7 +154,9 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
     ``examples``: objects with ``messages`` (chat messages), ``question`` and ``answer``;
     ``reward(text, example)`` scores a decoded response. ``oracle_prompt(question, answer)``
     gives the oracle log-probs of the same responses (default: the self-oracle prompt a
-    trainer's signal plan uses, :meth:`tokencredit.credit.plan.SignalPlan.with_signals`). The batch is
+    trainer's signal plan uses, :meth:`tokencredit.credit.plan.SignalPlan.with_signals`);
+    ``oracle=False`` leaves them out (one forward per token: most of the cost; only methods that
+    declare ``oracle_logprobs`` read them, and their replay then refuses the batch). The batch is
     labelled with the trainer's default credit (``TrainConfig.credit``), as a batch that
     ``fidelity build --task`` samples."""
     from ...train.config import TrainConfig
@@ -190,8 +193,9 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
             questions.append(ex.question)
             V_rows.append([V[node[:t]] for t in range(len(node))])
             lp_rows.append([tree[node[:t]] for t in range(len(node))])
-            orc = [pol.next_logprobs(oprompt, [node[:t]])[0] for t in range(len(node))]
-            orc_rows.append([float(o[pol.allowed.index(y)]) for o, y in zip(orc, node)])
+            if oracle:
+                orc = [pol.next_logprobs(oprompt, [node[:t]])[0] for t in range(len(node))]
+                orc_rows.append([float(o[pol.allowed.index(y)]) for o, y in zip(orc, node)])
     B, T = len(rows), max(len(r) for r in rows)
     P = max(len(p) for p in prompts)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0])
@@ -213,8 +217,11 @@ def exact_estimates(model, tokenizer, examples: Sequence[Any], reward: Callable[
             sig["entropy"][b, t] = float(-(p * lp).sum())
             sig["mode_prob"][b, t] = float(p.max())
             sig["sum_pi_squared"][b, t] = float((p * p).sum())
-            sig["oracle_logprobs"][b, t] = orc_rows[b][t]
+            if oracle:
+                sig["oracle_logprobs"][b, t] = orc_rows[b][t]
             samples_t[b, t] = V_rows[b][t]
+    if not oracle:
+        del sig["oracle_logprobs"]
     saved = {
         "credit": TrainConfig.credit,
         "signals": {"response_mask": mask, "rewards": torch.tensor(rewards, dtype=torch.float32),
