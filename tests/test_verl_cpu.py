@@ -153,7 +153,7 @@ def test_cpu_platform_process_gets_platform_engines_and_rollout():
 
 
 @pytest.mark.parametrize("given, expected", [(None, "float32"), ("bfloat16", "bfloat16"), ("bf16", "bfloat16"),
-                                             ("fp32", "float32"), ("torch.float16", "float16"), ("FP16", "float16")])
+                                             ("fp32", "float32"), (32, "float32"), ("fp16", "float16")])
 def test_tc_hf_rollout_generates_in_verls_rollout_dtype(given, expected):
     from tokencredit.integrations.verl_cpu import rollout_dtype
 

@@ -261,23 +261,21 @@ def _register_engines_for_cpu() -> None:
 # -- the transformers rollout --------------------------------------------------------------------
 
 
-_ROLLOUT_DTYPES = {"float32": "float32", "fp32": "float32", "32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-                   "float16": "float16", "fp16": "float16", "16": "float16"}
-
-
 def rollout_dtype(dtype) -> str:
-    """The torch dtype name a ``tc_hf`` server generates in, from verl's ``rollout.dtype`` (its
-    spellings: ``bfloat16``/``bf16``, ``float32``/``fp32``, ...). verl's own default is bfloat16 (the
-    precision vLLM samples in on a GPU); unset (a replica config without the key) keeps float32.
-    A bf16 rollout against the fp32 actor is the training-inference mismatch that verl's
-    ``algorithm.rollout_correction`` corrects."""
+    """The torch dtype name a ``tc_hf`` server generates in, from verl's ``rollout.dtype``, read by
+    verl's own ``PrecisionType.to_dtype`` (its spellings: ``bfloat16``/``bf16``, ``float32``/``fp32``/
+    ``32``, ``float16``/``fp16``/``16``). verl's default is bfloat16 (the precision vLLM samples in on
+    a GPU); unset (a replica config without the key) keeps float32. A bf16 rollout against the
+    fp32 actor is the training-inference mismatch that verl's ``algorithm.rollout_correction`` corrects."""
     if dtype is None:
         return "float32"
-    name = str(dtype).removeprefix("torch.").lower()
-    if name not in _ROLLOUT_DTYPES:
-        raise ValueError(f"actor_rollout_ref.rollout.dtype: expected one of {sorted(_ROLLOUT_DTYPES)} for the tc_hf "
-                         f"rollout, got {dtype!r}")
-    return _ROLLOUT_DTYPES[name]
+    from verl.utils.torch_dtypes import PrecisionType
+
+    try:
+        return str(PrecisionType.to_dtype(dtype)).removeprefix("torch.")
+    except RuntimeError:
+        raise ValueError(f"actor_rollout_ref.rollout.dtype: expected one of bfloat16, bf16, float32, fp32, float16, "
+                         f"fp16 for the tc_hf rollout, got {dtype!r}") from None
 
 
 def _server_name(replica_rank: int, role: str = "rollout", suffix: str = "") -> str:
