@@ -18,7 +18,7 @@ model is the initial policy).
 
 Along the runs (``--runs``: a bench output directory, whose ``summary.json`` gives the per-seed
 AUCs): every run keeps its policy's weights at :func:`tokencredit.analysis.bench.kept_steps`
-(``<run>/kept/step_XXXXXXXX.pt``, fixed before the runs: 0, 10, 20, 30, 40). At each kept step
+(``<run>/kept/step_XXXXXXXX/``, checkpoint folders, fixed before the runs: 0, 10, 20, 30, 40). At each kept step
 of each run of each spec, a batch is sampled from that run's own policy at that step (the same
 sampling seed for every spec of a (seed, step)), its exact V computed, and the spec's credit
 replayed on it and scored against that checkpoint's exact true credit. Step 0 is the seed's
@@ -110,13 +110,12 @@ def seed_fidelity(task: str, seed: int, specs, samples: int):
 
 
 def kept_policy(runs: Path, task: str, spec: str, seed: int, step: int):
-    """The policy a bench run kept at ``step`` (``<runs>/<task>/<spec>/seed<k>/kept/step_XXXXXXXX.pt``)."""
-    from tokencredit.analysis.bench import KEPT_DIR
+    """The policy a bench run kept at ``step`` (:func:`tokencredit.analysis.bench.load_kept`: checked)."""
+    from tokencredit.analysis.bench import load_kept
     from tokencredit.analysis.bench_policy import bench_policy
 
     model, _ = bench_policy(task, seed, warm=False)
-    path = runs / task / spec / f"seed{seed}" / KEPT_DIR / f"step_{step:08d}.pt"
-    model.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"), strict=True)
+    load_kept(model, runs / task / spec / f"seed{seed}", step)
     model.eval()
     return model
 

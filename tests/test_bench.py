@@ -267,6 +267,32 @@ def test_quick_bench_writes_a_report_with_every_task_and_spec(quick):
         assert sorted(map(int, s["specs"]["oracle"]["curve"])) == [0, 3, 6]
 
 
+def test_a_kept_checkpoint_changed_since_it_was_written_is_refused_in_one_line(quick, tmp_path):
+    """The kept weights are read as the trainer's checkpoints are: one changed byte (its sha256) or
+    a weight of another shape is refused, naming the file, before anything is loaded."""
+    import shutil
+
+    from tokencredit.analysis.bench_policy import bench_policy
+    from tokencredit.errors import CheckpointError
+
+    out, _ = quick
+    run = tmp_path / "run"
+    shutil.copytree(out / TASKS[0] / "grpo" / "seed1", run)
+    model, _ = bench_policy(TASKS[0], 1, warm=False)
+    bench.load_kept(model, run, 3)  # as kept: loads
+    f = bench.kept_path(run, 3) / "state.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        bench.load_kept(model, run, 3)
+    assert "\n" not in str(err.value) and "sha256" in str(err.value) and str(f) in str(err.value)
+    small = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError) as err:
+        bench.load_kept(small, run, 0)
+    assert "\n" not in str(err.value) and "expected" in str(err.value)
+
+
 def test_a_bench_keeps_the_weights_of_its_fixed_steps_and_only_those(quick):
     """Every run keeps its policy at kept_steps() (quick: 0, 3, 6; the full budget: 0, 10, ..., 40),
     fixed before the runs: step 0 is the seed's initial policy, the last step the final checkpoint's."""
@@ -280,13 +306,13 @@ def test_a_bench_keeps_the_weights_of_its_fixed_steps_and_only_those(quick):
         for spec in bench.QUICK_SPECS:
             run = out / t / spec / "seed1"
             kept = sorted(p.name for p in (run / bench.KEPT_DIR).iterdir())
-            assert kept == [f"step_{k:08d}.pt" for k in (0, 3, 6)]
-            k0 = torch.load(run / bench.KEPT_DIR / "step_00000000.pt", weights_only=True)
+            assert kept == [f"step_{k:08d}" for k in (0, 3, 6)]
+            k0 = bench.kept_weights(run, 0)
             assert all(torch.equal(k0[k], init[k]) for k in init)
-            k6 = torch.load(run / bench.KEPT_DIR / "step_00000006.pt", weights_only=True)
+            k6 = bench.kept_weights(run, 6)
             _, sd = load_latest_checkpoint(run / "checkpoints")
             assert all(torch.equal(k6[k], v) for k, v in sd["model"].items())
-            k3 = torch.load(run / bench.KEPT_DIR / "step_00000003.pt", weights_only=True)
+            k3 = bench.kept_weights(run, 3)
             assert not all(torch.equal(k3[k], k0[k]) for k in k0) and not all(torch.equal(k3[k], k6[k]) for k in k0)
 
 
@@ -380,10 +406,10 @@ def test_a_resumed_bench_equals_an_uninterrupted_one(tmp_path):
         assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
     assert json.loads((tmp_path / "whole" / "summary.json").read_text()) == json.loads((tmp_path / "cut" / "summary.json").read_text())
     for spec in ("grpo", "oracle"):  # the kept weights along the run too
-        a, b = (sorted((tmp_path / d / "keytok" / spec / "seed0" / bench.KEPT_DIR).glob("*.pt")) for d in ("whole", "cut"))
-        assert [p.name for p in a] == [p.name for p in b] == ["step_00000000.pt", "step_00000003.pt", "step_00000006.pt"]
-        for x, y in zip(a, b):
-            sx, sy = torch.load(x, weights_only=True), torch.load(y, weights_only=True)
+        a, b = (sorted((tmp_path / d / "keytok" / spec / "seed0" / bench.KEPT_DIR).glob("step_*")) for d in ("whole", "cut"))
+        assert [p.name for p in a] == [p.name for p in b] == ["step_00000000", "step_00000003", "step_00000006"]
+        for k in (0, 3, 6):
+            sx, sy = (bench.kept_weights(tmp_path / d / "keytok" / spec / "seed0", k) for d in ("whole", "cut"))
             assert sx.keys() == sy.keys() and all(torch.equal(sx[k], sy[k]) for k in sx)
     assert whole["summary"]["keytok"]["specs"]["oracle"]["auc"][0] == resumed["summary"]["keytok"]["specs"]["oracle"]["auc"][0]
 

@@ -89,7 +89,7 @@ def test_fidelity_along_a_run_scores_each_kept_checkpoint_against_its_own_true_c
         assert all(torch.equal(ref_sd[k], init[k]) for k in init)
     assert [(sp, ss) for sp, ss, _, _ in seen] == [(("grpo", "oracle"), 0), (("grpo",), 6), (("oracle",), 6)]
     for (specs, _, model_sd, _), run in zip(seen[1:], ("grpo", "oracle")):
-        kept = torch.load(out / "keytok" / run / "seed0" / bench.KEPT_DIR / "step_00000006.pt", weights_only=True)
+        kept = bench.kept_weights(out / "keytok" / run / "seed0", 6)
         assert all(torch.equal(model_sd[k], kept[k]) for k in kept)
     monkeypatch.undo()
     m6 = bf.kept_policy(out, "keytok", "oracle", 0, 6)

@@ -38,7 +38,7 @@ from ..errors import BenchError  # noqa: F401 (defined in errors; importable her
 
 __all__ = [
     "SUITE", "DEFAULT_SPECS", "QUICK_SPECS", "TaskSettings", "SETTINGS", "BenchError", "BenchTrainer",
-    "parse_tasks", "bench_config", "kept_steps", "KEPT_DIR", "run_bench", "summarize_task", "bootstrap", "write_bench_report", "oracle_separation",
+    "parse_tasks", "bench_config", "kept_steps", "KEPT_DIR", "kept_path", "save_kept", "kept_weights", "load_kept", "run_bench", "summarize_task", "bootstrap", "write_bench_report", "oracle_separation",
 ]
 
 SUITE = ("keytok", "carry", "fork")
@@ -76,7 +76,7 @@ SETTINGS: Dict[str, TaskSettings] = {
 QUICK_STEPS = 6
 QUICK_EVAL_EVERY = 3
 #: every run keeps its policy's weights at the steps kept_steps() names (fixed before the runs),
-#: as ``<run>/KEPT_DIR/step_XXXXXXXX.pt`` (the trainer's own checkpoints keep only the last):
+#: as checkpoint folders ``<run>/KEPT_DIR/step_XXXXXXXX/`` (save_kept / load_kept; the trainer's own keep only the last):
 #: what scripts/bench_fidelity.py scores each spec's credit on along its run
 KEPT_DIR = "kept"
 #: a budget with fewer eval points than this cannot draw a curve
@@ -94,6 +94,41 @@ def parse_tasks(value: Any) -> List[str]:
     if len(set(tasks)) != len(tasks):
         raise BenchError(f"--tasks: a task given twice in {value!r}")
     return tasks
+
+
+def kept_path(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where a run keeps its policy of ``step``: ``<run>/kept/step_XXXXXXXX/`` (a checkpoint folder)."""
+    return Path(run_dir) / KEPT_DIR / f"step_{step:08d}"
+
+
+def save_kept(model, run_dir: str | os.PathLike, step: int) -> Path:
+    """Keep ``model``'s weights (its whole ``state_dict``) of ``step`` under ``<run>/kept/`` as the
+    trainer's checkpoints are written (:func:`tokencredit.train.checkpoint.save_checkpoint`:
+    atomic, with its sha256; none pruned)."""
+    from ..train.checkpoint import save_checkpoint
+
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return save_checkpoint(Path(run_dir) / KEPT_DIR, step, {"model": weights}, keep_last=10**9)
+
+
+def kept_weights(run_dir: str | os.PathLike, step: int) -> Dict[str, Any]:
+    """The weights a run kept at ``step``, read as the trainer's checkpoints are
+    (:func:`~tokencredit.train.checkpoint.load_checkpoint`: ``weights_only``, its sha256 checked,
+    finite): a :class:`~tokencredit.errors.CheckpointError` in one line otherwise."""
+    from ..train.checkpoint import load_checkpoint
+
+    return load_checkpoint(kept_path(run_dir, step))["model"]
+
+
+def load_kept(model, run_dir: str | os.PathLike, step: int):
+    """``model`` (a task's seeded policy) with the weights its run kept at ``step``: every weight
+    checked against the model's (names, shapes, dtypes) before any is loaded."""
+    from ..train.checkpoint import check_weights
+
+    weights = kept_weights(run_dir, step)
+    check_weights(weights, model.state_dict(), str(kept_path(run_dir, step)))
+    model.load_state_dict(weights, strict=True)
+    return model
 
 
 def kept_steps(task: str, *, steps: Optional[int] = None, quick: bool = False) -> List[int]:
@@ -163,15 +198,8 @@ def _trainer_class():
             return metrics
 
         def keep_weights(self) -> Path:
-            """The policy's weights at this step, ``<run>/kept/step_XXXXXXXX.pt`` (written atomically)."""
-            import torch
-
-            path = self.out / KEPT_DIR / f"step_{self.step:08d}.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}, tmp)
-            tmp.replace(path)
-            return path
+            """The policy's weights at this step: :func:`save_kept`."""
+            return save_kept(self.model, self.out, self.step)
 
     return BenchTrainer
 
