@@ -46,15 +46,17 @@ def crc_reward(completion: str, example) -> float:
     return float(zlib.crc32(completion.encode()) % 2)
 
 
-def vllm_model(seed: int = 0):
-    """A tiny random Llama (2 layers, hidden 32, 2 heads of 32, 1 kv head) and the tiny tokenizer."""
+def vllm_model(seed: int = 0, tie: bool = True):
+    """A tiny random Llama (2 layers, hidden 32, 2 heads of 32, 1 kv head) and the tiny tokenizer;
+    ``tie``: its LM head tied to the input embedding, as the embedded SmolLM2's (a weight push
+    must reach the head through both names)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tiny_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, intermediate_size=64, max_position_embeddings=256,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=tie)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg).eval()
@@ -150,6 +152,7 @@ def test_seed_is_a_private_stream(backend):
 
 def test_weights_changed_reaches_the_engine(backend):
     model = backend.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the embedded model's
     kw = dict(num_samples=8, max_new_tokens=16, temperature=0.7, top_p=1.0, seed=5)
     before = backend.generate(PROMPTS, **kw)
     saved = {k: v.clone() for k, v in model.state_dict().items()}

@@ -187,10 +187,16 @@ class VLLMRollout:
     def named_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """The trainer's parameters under the names of a transformers checkpoint (peft's
         ``base_model.model.`` / ``.base_layer`` removed, its adapter tensors skipped); call
-        inside :meth:`_merged` for a peft model."""
+        inside :meth:`_merged` for a peft model.
+
+        A tied parameter is given under each of its names (the embedded SmolLM2 ties its LM head to
+        the input embedding): vLLM's in-place reload loads and re-processes layer by layer (on a
+        CPU it re-packs each linear layer's weight for oneDNN), and a layer that receives no
+        weight keeps its old kernel tensors, so with the head's name left out the engine sampled
+        from the initial LM head after every push (log-probs up to 20 nats off the trainer's)."""
         peft = hasattr(self.model, "get_base_model")
         prefix = getattr(self.model, "prefix", "lora_")
-        for name, p in self.model.named_parameters():
+        for name, p in self.model.named_parameters(remove_duplicate=False):
             if peft:
                 if prefix in name or "original_module" in name:
                     continue
