@@ -47,5 +47,6 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
 fi
 # the vLLM backend's tests, where vllm is expected (a missing or broken vllm fails them there)
 TOKENCREDIT_EXPECT_VLLM=1 .venv-vllm/bin/python -m pytest tests/test_rollout_vllm.py -p no:cacheprovider
-# -q comes from pyproject.toml (addopts); a second -q would hide pytest's summary line
-.venv-test/bin/python -m pytest tests -p no:cacheprovider "$@"
+# -q comes from pyproject.toml (addopts); a second -q would hide pytest's summary line.
+# --durations: the 25 slowest tests before the summary, where the suite's time goes (it stays the last line)
+.venv-test/bin/python -m pytest tests -p no:cacheprovider --durations=25 "$@"
