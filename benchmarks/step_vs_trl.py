@@ -21,6 +21,52 @@ Both run the same algorithm on the same model, prompts and settings:
 * TRL otherwise at its fastest on a CPU: ``use_cpu=True``, activation (gradient)
   checkpointing off (TRL's default is on), no completion logging, no checkpoints, its default
   fused AdamW, no reference model;
+* rollout engine (``--engines``, default hf, plus vllm where the vllm package is importable, i.e.
+  run with ``.venv-vllm/bin/python``; the run says which): each engine is one ours / TRL pair,
+  at each precision above, in the same run:
+
+  - ``hf``: both generate with transformers ``generate`` (ours: ``rollout.backend=hf``);
+    printed as ``ratio equal-precision X`` and ``ratio fp32 X``;
+  - ``vllm``: ours with ``rollout.backend=vllm`` (tokencredit.engine.rollout_vllm.VLLMRollout, an
+    in-process vLLM engine), TRL with ``use_vllm=True, vllm_mode="colocate"`` (an in-process
+    engine, ``distributed_executor_backend="external_launcher"``, a single-process group TRL
+    sets up through RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); printed as ``ratio vllm X``
+    (and ``ratio vllm-fp32 X`` where the precision is not fp32). Settings that differ from the
+    hf pair or from TRL's defaults, to build both engines alike:
+
+    * TRL 1.16's colocate ``vllm.LLM(...)`` call passes no dtype (vLLM's "auto" then turns an
+      fp32 checkpoint into bf16 on a CPU), no ``enforce_eager`` (vLLM's CPU default then compiles
+      the model with inductor, minutes on a small CPU) and no KV-cache size (vLLM-CPU then takes a
+      share of free memory; ``vllm_gpu_memory_utilization`` means nothing there): the worker binds
+      ``dtype`` = the precision, ``enforce_eager=True`` and ``kv_cache_memory_bytes`` = 2 GiB
+      (VLLMRollout's values) to the ``LLM`` name of TRL's module, a wrapper in the worker's
+      process; no file of TRL or vLLM is changed. ``vllm_max_model_length`` = VLLMRollout's
+      (the model's ``max_position_embeddings``, at most 4096);
+      ``vllm_enable_sleep_mode=False`` (TRL's default; nothing to offload on a CPU);
+      ``vllm_importance_sampling_correction=False``: ours has no correction either (its PPO ratio
+      is against the sampler's log-probs), and TRL's would add a forward pass per step.
+      Differences left as each library has them: TRL's engine schedules at most 4096 batched
+      tokens (ours 8192), ours runs with ``generation_config="vllm"``; prefix caching is on in
+      both. The engines' settings are printed under each vLLM worker's line.
+    * TRL's model is saved to a temporary folder, which becomes its ``name_or_path`` (TRL builds
+      the engine from ``model.name_or_path``); ours saves its own (VLLMRollout).
+    * Weight push: TRL's colocate ``sync_weights`` calls vLLM's ``model.load_weights`` per
+      parameter, which fails on vllm-cpu 0.32 (``AttributeError: 'Parameter' object has no
+      attribute 'weight_loader'``: after loading, vLLM's CPU linear layers pack their weight for
+      oneDNN and replace ``weight`` by an empty Parameter without a loader, so the per-parameter
+      path cannot reach the weights the layer computes with). The worker replaces that method on
+      TRL's ``vllm_generation`` object by one call of vLLM's in-place reload path,
+      ``collective_rpc("reload_weights", weights_iterator=TRL's own _iter_named_params())`` and
+      TRL's prefix-cache reset: what ours does. It runs inside TRL's timed step.
+    * vLLM's CPU worker turns ``torch.set_num_threads`` into a no-op when its engine starts;
+      both put it back and re-apply ``--threads`` (ours inside VLLMRollout, TRL's in the worker).
+    * Sampling: both at ``--temperature``, top-p 1, top-k off, min-p 0, no repetition penalty,
+      log-probs of the sampled token after temperature (``logprobs_mode="processed_logprobs"``
+      in both). vLLM's first call and engine build land in the warm-up step for ours (built on
+      first use) and in TRL's ``__init__`` (untimed) for TRL; the warm-up step is left out.
+    * The tiny model (``--tiny``) for the vllm pair is the tiny Llama with head size 32 and no
+      LM-head bias (vLLM's CPU attention needs head size >= 32; vLLM's Llama has no head bias),
+      as tests/test_rollout_vllm.py builds it;
 * memory: with ``--retain-memory on`` (the default) glibc keeps freed memory for the next step in
   both workers (ours: its ``retain_memory`` setting; TRL: the same ``mallopt`` call at the worker's
   start), so neither re-faults its gradients and activations every step; ``off``: glibc's default.
@@ -37,6 +83,8 @@ RNG consumers), so completion lengths differ; the mean number of generated token
 printed next to the times, and so is the time per 1000 generated tokens.
 
     python benchmarks/step_vs_trl.py --tiny                    # seconds: does it run?
+    .venv-vllm/bin/python benchmarks/step_vs_trl.py --engines hf,vllm --prompts 2 --generations 4 \
+        --max-new-tokens 32 --steps 4 --threads 1 --precision fp32   # both pairs
     python benchmarks/step_vs_trl.py --prompts 2 --generations 4 --max-new-tokens 32 --steps 3
     python benchmarks/step_vs_trl.py ... --profile             # where each trainer's time goes
 

