@@ -595,6 +595,8 @@ def main(argv=None) -> int:
             a, b = _summary(a), _summary(b)
             print(f"per generated token ({label}, {eng}, {pr}): ours / TRL {a['s_per_1k_tokens'] / b['s_per_1k_tokens']:.2f}x")
             print(f"ratio {label} {a['s_per_step'] / b['s_per_step']:.2f}")
+            print(f"cpu-ratio {label} {a['cpu_s_per_step'] / b['cpu_s_per_step']:.2f} (process CPU seconds per step, "
+                  "ours / TRL: on a shared machine less sensitive to descheduling than wall time)")
         elif not args.only:
             why = "; ".join(f"{w} {e} {q}: {m}" for (w, q, e), m in failed.items() if q == pr and e == eng)
             print(f"ratio {label} n/a ({why or 'a worker did not run'})")
