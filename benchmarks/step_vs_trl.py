@@ -64,9 +64,9 @@ Both run the same algorithm on the same model, prompts and settings:
       log-probs of the sampled token after temperature (``logprobs_mode="processed_logprobs"``
       in both). vLLM's first call and engine build land in the warm-up step for ours (built on
       first use) and in TRL's ``__init__`` (untimed) for TRL; the warm-up step is left out.
-    * The tiny model (``--tiny``) for the vllm pair is the tiny Llama with head size 32 and no
-      LM-head bias (vLLM's CPU attention needs head size >= 32; vLLM's Llama has no head bias),
-      as tests/test_rollout_vllm.py builds it;
+    * The tiny model (``--tiny``) for the vllm pair is tokencredit.testing's tiny Llama with head
+      size 32 and no LM-head bias (vLLM's CPU attention needs head size >= 32; vLLM's Llama has
+      no head bias);
 * memory: with ``--retain-memory on`` (the default) glibc keeps freed memory for the next step in
   both workers (ours: its ``retain_memory`` setting; TRL: the same ``mallopt`` call at the worker's
   start), so neither re-faults its gradients and activations every step; ``off``: glibc's default.
@@ -129,21 +129,22 @@ def _load(args):
 
 
 def _tiny_for_vllm(seed: int):
-    """The tiny random Llama with a head size of 32 (the smallest vLLM's CPU attention takes) and
-    no LM-head bias (vLLM's Llama has none), as tests/test_rollout_vllm.py builds it."""
+    """tokencredit.testing's tiny random Llama re-shaped for vLLM: head size 32 (2 heads, 1 kv
+    head; the smallest head vLLM's CPU attention takes) and no LM-head bias (vLLM's Llama has none)."""
+    import copy
+
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from tokencredit.testing import tiny_tokenizer
+    from tokencredit.testing import tiny_model_and_tokenizer
 
-    tok = tiny_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=32, intermediate_size=64, max_position_embeddings=256,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False)
+    base, tok = tiny_model_and_tokenizer(seed=seed)
+    cfg = copy.deepcopy(base.config)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg).eval()
+    model.generation_config = copy.deepcopy(base.generation_config)
     return model, tok
 
 
