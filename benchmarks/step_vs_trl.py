@@ -386,15 +386,27 @@ def _trl_weight_push_via_reload(gen) -> None:
     (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``),
     so that call fails (``AttributeError: 'Parameter' object has no attribute 'weight_loader'``),
     and even where it did not, the packed copy the layer computes with would stay stale. The same
-    tensors (TRL's own ``_iter_named_params``) go through vLLM's in-place reload path instead
+    tensors (TRL's own ``_iter_named_params``, and a tied LM head under its own name) go through vLLM's in-place reload path instead
     (``reload_weights(weights_iterator=...)``: ``load_weights`` and the packing again), the path
     tokencredit's VLLMRollout uses; then TRL's prefix-cache reset. Timed inside TRL's step, as
     ours is inside ours."""
     import torch
 
+    def weights():
+        # TRL's tensors, then a tied parameter under its other names (the embedded model's LM head
+        # is its input embedding): vLLM's reload keeps a layer that gets no weight at its old
+        # kernel tensors (tokencredit.engine.rollout_vllm.VLLMRollout.named_weights)
+        names = set()
+        for name, p in gen._iter_named_params():
+            names.add(name)
+            yield name, p
+        for name, p in gen.model.named_parameters(remove_duplicate=False):
+            if name not in names:
+                yield name, p.detach()
+
     def sync_weights():
         with torch.no_grad():
-            gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": gen._iter_named_params(),
+            gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(),
                                                              "is_checkpoint_format": True})
         gen.llm.reset_prefix_cache()
 
