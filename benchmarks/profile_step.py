@@ -151,9 +151,10 @@ def profile_update(args) -> None:
     params = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight.numel()
     L = ids.shape[1]
-    # what the code computes: every position of every row through the body (padding included),
-    # the LM head at the T response positions of every row; forward + backward = 3 x forward
-    body = 2 * (params - emb) * N * L
+    # what the code computes (forward_response): each distinct prompt's P positions once (padding
+    # included; rows share their prompt's pass), every row's T response positions (padding
+    # included), the LM head at the T positions that predict response tokens; backward = 2 x forward
+    body = 2 * (params - emb) * (len(msgs) * P + N * T)
     head = 2 * emb * N * T
     flops = 3 * (body + head)
 
@@ -176,7 +177,8 @@ def profile_update(args) -> None:
     for _ in range(3):
         a @ b
     gemm = 2 * n**3 * 3 / (time.perf_counter() - t) / 1e9
-    print(f"update rows {N}, prompt {P} + {T} new = {L} positions ({int(att.sum())} real tokens, {N * L} computed)")
+    print(f"update rows {N} ({len(msgs)} distinct prompts), prompt {P} + {T} new = {L} positions; body positions computed "
+          f"{len(msgs) * P + N * T}, of them real {int(pmask[::4].sum() + rmask.sum())}")
     print(f"FLOPs forward+backward {flops / 1e9:.1f} GFLOP (body {3 * body / 1e9:.1f}, LM head {3 * head / 1e9:.1f}); "
           f"walls {', '.join(f'{w:.2f}' for w in walls)} s; best {flops / wall / 1e9:.1f} GFLOP/s; "
           f"gemm n={n} {gemm:.1f} GFLOP/s; fraction of the GEMM rate {flops / wall / 1e9 / gemm:.2f}")
