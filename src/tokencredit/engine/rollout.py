@@ -87,14 +87,32 @@ def finite_check_processor():
     return _FiniteCheck()
 
 
-def inverse_cdf_choice(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf_choice(probs: torch.Tensor, u: torch.Tensor, block: int = 512) -> torch.Tensor:
     """The token each row draws for its uniform ``u`` in [0, 1): the first index whose cumulative
     probability reaches ``(1 - u) * total``, i.e. token ``i`` for ``u`` in an interval of width
-    ``probs[i] / total``; a zero-probability token is never drawn. The running sum is float64,
-    so a token far below float32's resolution at 1 (~6e-8) keeps its probability. [n, V], [n] -> [n]."""
-    cdf = probs.cumsum(-1, dtype=torch.float64)
-    v = (1.0 - u.to(torch.float64)).unsqueeze(-1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, v).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    ``probs[i] / total``; a zero-probability token is never drawn. The sums are float64, so a token
+    far below float32's resolution at 1 (~6e-8) keeps its probability. [n, V], [n] -> [n].
+
+    In two levels, so that only one block of ``block`` entries per row is summed running: the
+    float64 sums of the row's blocks and their running sum find the block where the target falls,
+    then the running sum inside that block finds the token. A full float64 running sum over V
+    (the earlier form) converts and writes the whole [n, V] block twice in float64; this converts
+    it once for the block sums and writes [n, V / block]. The two forms agree up to float64's
+    rounding of the sums (a draw moves only if ``u`` lands within ~1e-16 of an interval's end)."""
+    n, V = probs.shape
+    nb = -(-V // block)
+    if nb * block != V:
+        probs = F.pad(probs, (0, nb * block - V))
+    blocks = probs.reshape(n, nb, block)
+    bcdf = blocks.sum(-1, dtype=torch.float64).cumsum_(-1)  # [n, nb]
+    v = (1.0 - u.to(torch.float64)).unsqueeze(-1) * bcdf[:, -1:]  # [n, 1]
+    blk = torch.searchsorted(bcdf, v).clamp_(max=nb - 1)  # first block whose running sum reaches v
+    before = torch.where(blk > 0, bcdf.gather(-1, (blk - 1).clamp(min=0)), torch.zeros_like(v))
+    inside = blocks[torch.arange(n, device=probs.device), blk.squeeze(-1)]  # [n, block]
+    j = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64), v - before)
+    # the block's own running sum can round below its block sum: never past its last nonzero entry
+    last = block - 1 - (inside > 0).flip(-1).to(torch.int8).argmax(-1, keepdim=True)
+    return (blk * block + torch.minimum(j, last)).squeeze(-1).clamp_(max=V - 1)
 
 
 class _DrawnLogprobs:
@@ -140,8 +158,8 @@ def _sampling_processors(temperature: float, top_p: float, record: Optional[_Dra
             probs = torch.softmax(scores, dim=-1)
             u = torch.rand(scores.shape[0], device=scores.device)
             tok = inverse_cdf_choice(probs, u)
-            out = torch.full_like(scores, float("-inf"))
-            return out.scatter_(1, tok.unsqueeze(-1), 0.0)
+            # in place: generate's scores for this step are its own copy, used for nothing else
+            return scores.fill_(float("-inf")).scatter_(1, tok.unsqueeze(-1), 0.0)
 
     # the log-probs are recorded from the scores the draw sees: after temperature AND top-p
     return _warpers(temperature, top_p) + ([record] if record is not None else []) + [_InverseCDFSample()]
