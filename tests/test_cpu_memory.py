@@ -14,9 +14,16 @@ pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
 )
 
-# allocate and touch 256 MB and free it, as a step does with its gradients, 8 times (glibc's heap
-# settles after 2-3: posix_memalign leaves remainders it reuses only later), then count the minor
-# page faults of 4 more, per 256 MB
+# allocate and touch 256 MB and free it, as a step does with its gradients, 40 times, and count the
+# minor page faults of each touch. glibc's heap settles after a few touches (posix_memalign leaves
+# remainders it reuses only later, and where they fall depends on the heap's layout, which varies
+# from process to process): after the Trainer's set-up the last touch that faulted was the 1st to
+# the 10th in 52 processes measured on an AMD EPYC (2026-12-07), and a CI run's process still
+# faulted in 2 of its touches 9-12. The steady state is what a run keeps: the last 8 of 40 touches
+# are asserted, settled with a margin of 3x over the worst measured. glibc's default mmaps every
+# touch afresh (no settling): 12 touches show it.
+N_TOUCH = {True: 40, False: 12}
+STEADY = 8
 PROBE = textwrap.dedent(
     """
     import json, resource, sys, torch
@@ -25,30 +32,34 @@ PROBE = textwrap.dedent(
         t = torch.empty(64 * 1024 * 1024, dtype=torch.float32)
         t.fill_(1.0)
         return float(t[-1])
-    for _ in range(8):
+    faults = []
+    for _ in range(int(sys.argv[1])):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         touch()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(4):
-        touch()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     print(json.dumps({"faults": faults, "pages": 256 * 1024 * 1024 // resource.getpagesize()}))
     """
 )
 
 
-def _faults(setup: str) -> dict:
+def _steady(r: dict) -> list:
+    """The faults of the last STEADY touches, as fractions of the 256 MB's pages."""
+    return [f / r["pages"] for f in r["faults"][-STEADY:]]
+
+
+def _faults(setup: str, retained: bool) -> dict:
     code = PROBE.replace("SETUP", textwrap.dedent(setup).strip())
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code, str(N_TOUCH[retained])], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_retained_memory_is_reused_without_fresh_pages():
-    default = _faults("pass")
-    retained = _faults("from tokencredit.engine.cpu_memory import retain_freed_memory\nassert retain_freed_memory()")
+    default = _faults("pass", False)
+    retained = _faults("from tokencredit.engine.cpu_memory import retain_freed_memory\nassert retain_freed_memory()", True)
     # glibc's default: the 256 MB block is mmapped afresh and every page faults on first touch
-    assert default["faults"] > 0.5 * default["pages"], default
-    assert retained["faults"] < 0.05 * retained["pages"], retained
+    assert min(_steady(default)) > 0.5, default
+    assert max(_steady(retained)) < 0.05, retained
 
 
 TRAINER = """
@@ -65,11 +76,11 @@ Trainer(TrainConfig(output_dir=tempfile.mkdtemp() + "/run", device="cpu", retain
 
 @pytest.mark.parametrize("retain", [True, False])
 def test_the_trainer_retains_memory_on_cpu_unless_told_not_to(retain):
-    r = _faults(TRAINER.replace("RETAIN", str(retain)))
+    r = _faults(TRAINER.replace("RETAIN", str(retain)), retain)
     if retain:
-        assert r["faults"] < 0.05 * r["pages"], r
+        assert max(_steady(r)) < 0.05, r
     else:
-        assert r["faults"] > 0.5 * r["pages"], r
+        assert min(_steady(r)) > 0.5, r
 
 
 TRL_TRAINER = """
@@ -90,8 +101,8 @@ def test_the_trl_trainer_retains_memory_on_cpu_unless_told_not_to(retain):
     import os
 
     tests = repr(os.path.dirname(os.path.abspath(__file__)))
-    r = _faults(TRL_TRAINER.replace("TESTS", tests).replace("RETAIN", str(retain)))
+    r = _faults(TRL_TRAINER.replace("TESTS", tests).replace("RETAIN", str(retain)), retain)
     if retain:
-        assert r["faults"] < 0.05 * r["pages"], r
+        assert max(_steady(r)) < 0.05, r
     else:
-        assert r["faults"] > 0.5 * r["pages"], r
+        assert min(_steady(r)) > 0.5, r
