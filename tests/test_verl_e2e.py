@@ -119,7 +119,7 @@ def overrides_for(case: Case, assets, out: str) -> List[str]:
            "MAX_RESPONSE": "16", "TEACHER_MODEL": assets["model"], **case.env}
     test = [
         'trainer.logger=["console","file"]', f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={STEPS}",
-        "trainer.test_freq=-1", "trainer.val_before_train=False", "trainer.balance_batch=False",
+        "trainer.test_freq=-1", "trainer.val_before_train=False", "+ray_kwargs.ray_init.include_dashboard=False", "trainer.balance_batch=False",
         f"trainer.default_local_dir={out}/ckpt", "data.shuffle=False", "actor_rollout_ref.actor.optim.lr=1e-3",
         f"reward.custom_reward_function.path={os.path.join(os.path.dirname(__file__), 'verl_e2e', 'reward.py')}",
     ]
