@@ -72,9 +72,15 @@ CASES = {
                  ["tokencredit.taco.alpha=0.2", "algorithm.rollout_correction.rollout_is=token",
                   "algorithm.rollout_correction.rollout_is_threshold=2.0"],
                  configs={"taco": {"alpha": 0.2, "lam": 0.9}}),
-    # H_target above the tiny model's entropy (about 1.8 nats), so that the gate is on and W, M act
-    "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True"}, ["trainer.save_freq=1", "tokencredit.stare.H_target=3.0"],
-                  configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}}),
+    # H_target above the tiny model's entropy (about 1.8 nats), so that the gate is on and W, M act.
+    # Two FSDP ranks (gloo): each rank's loss gets its half of the batch and the same shipped state;
+    # a checkpoint every step, for the controller's resume test (one run for both: a single-rank
+    # STARE run checked nothing the other single-rank cases and this one do not)
+    "stare": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True", "N_GPUS": "2", "MICRO_BATCH": "8",
+                                             "LOGPROB_MICRO_BATCH": "8"},
+                  ["trainer.save_freq=1", "tokencredit.stare.H_target=3.0"],
+                  configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}},
+                  ranks=2),
     "acpo": Case("worker.sh", "grpo+acpo", {"METHOD": "acpo"}),
     "arca": Case("worker.sh", "grpo+arca", {"METHOD": "arca"}),
     "oppo": Case("oracle.sh", "oppo", {"METHOD": "oppo"}),
@@ -82,11 +88,6 @@ CASES = {
     "pact": Case("critic.sh", "pact", {"METHOD": "pact"}, CRITIC),
     "gtpo": Case("gtpo.sh", "gtpo"),
     "gae": Case("critic.sh", "gae", {"METHOD": "gae"}, CRITIC),
-    # two FSDP ranks (gloo): each rank's loss gets its half of the batch and the same shipped state
-    "stare_2ranks": Case("stare.sh", "grpo+stare", {"ADAPTIVE": "True", "N_GPUS": "2", "MICRO_BATCH": "8",
-                                                     "LOGPROB_MICRO_BATCH": "8"}, ["tokencredit.stare.H_target=3.0"],
-                         configs={"stare": {"variant": "O1", "P": 0.1, "W": 1.1, "H_target": 3.0, "adaptive": True}},
-                         ranks=2),
     # OPPO's oracle scored by verl's own distillation teacher servers (a tc_hf replica of the tiny
     # model in a resource pool of its own: one more Ray "GPU" slot)
     "oppo_teacher": Case("oracle.sh", "oppo", {"METHOD": "oppo", "ORACLE": "teacher", "TEACHER_GPUS": "1"},
@@ -340,16 +341,17 @@ def _state_close(a, b, tol=1e-4) -> bool:
     return a == b
 
 
-def controller_step(case: Case, state: Optional[dict], loss: dict) -> dict:
-    """The core controller stepped once from ``state`` (None = initial) on the loss's batch (the
-    update forward's entropy: before the first optimizer step of a step, the weights of the driver's
-    old-log-prob pass, from which the trainer mode steps it)."""
+def controller_step(case: Case, state: Optional[dict], losses: List[dict]) -> dict:
+    """The core controller stepped once from ``state`` (None = initial) on a step's batch: the rows
+    of every rank's loss (the update forward's entropy: before the first optimizer step of a step,
+    the weights of the driver's old-log-prob pass, from which the trainer mode steps it)."""
     pipe = CreditPipeline(case.spec, case.configs)
     if state is not None:
         pipe.load_state_dict(state)
-    mask = loss["response_mask"].bool()
+    mask = torch.cat([loss["response_mask"].bool() for loss in losses])
+    entropy = torch.cat([loss["signal.entropy"] for loss in losses])
     pipe.update_state(CreditBatch(response_mask=mask, rewards=torch.zeros(mask.shape[0]),
-                                  group_ids=torch.arange(mask.shape[0]), entropy=loss["signal.entropy"]))
+                                  group_ids=torch.arange(mask.shape[0]), entropy=entropy))
     return pipe.state_dict()
 
 
@@ -360,16 +362,18 @@ def test_stare_controller_steps_before_the_loss_and_resumes_exactly(assets, tmp_
     case = CASES["stare"]
     run = run_case("stare", assets, tmp_root)
     assert run.rc == 0, run.tail(80)
-    losses = run.captured("loss")
+    losses = by_step(run.captured("loss"))
+    assert [len(s) for s in losses] == [case.ranks] * STEPS
     state = None
-    for step, loss in enumerate(losses, start=1):
+    for step, step_losses in enumerate(losses, start=1):
         with open(os.path.join(run.out, "ckpt", f"global_step_{step}", "tokencredit_state.json")) as f:
             saved = json.load(f)
         assert saved["spec"] == case.spec
-        # the loss of step k ran on the state checkpointed at step k, exactly
-        assert loss["meta"]["credit_state"] == saved["state"], (step, loss["meta"]["credit_state"], saved["state"])
+        # every rank's loss of step k ran on the state checkpointed at step k, exactly
+        for loss in step_losses:
+            assert loss["meta"]["credit_state"] == saved["state"], (step, loss["meta"]["credit_state"], saved["state"])
         # ... which is the previous state stepped once on step k's batch (not the previous state itself)
-        stepped = controller_step(case, state, loss)
+        stepped = controller_step(case, state, step_losses)
         assert _state_close(stepped, saved["state"]), (step, stepped, saved["state"])
         assert not _state_close(saved["state"], state or CreditPipeline(case.spec, case.configs).state_dict(), 1e-9)
         state = saved["state"]
@@ -385,9 +389,12 @@ def test_stare_controller_steps_before_the_loss_and_resumes_exactly(assets, tmp_
     print(f"verl e2e stare resume: rc {resumed.rc}, {resumed.wall_s:.0f} s, peak RSS {resumed.peak_rss_mb:.0f} MB")
     assert resumed.rc == 0, resumed.tail(80)
     assert [r["step"] for r in resumed.metrics()] == [2]
-    (loss2,) = resumed.captured("loss")
+    (losses2,) = by_step(resumed.captured("loss"))
+    assert len(losses2) == case.ranks
     with open(os.path.join(run.out, "ckpt", "global_step_1", "tokencredit_state.json")) as f:
         state1 = json.load(f)["state"]
-    # the resumed step 2 stepped the restored step-1 state, not a fresh controller
-    assert _state_close(controller_step(case, state1, loss2), loss2["meta"]["credit_state"])
-    assert not _state_close(controller_step(case, None, loss2), loss2["meta"]["credit_state"], 1e-6)
+    # the resumed step 2 stepped the restored step-1 state, not a fresh controller (on every rank)
+    for loss2 in losses2:
+        assert loss2["meta"]["credit_state"] == losses2[0]["meta"]["credit_state"]
+    assert _state_close(controller_step(case, state1, losses2), losses2[0]["meta"]["credit_state"])
+    assert not _state_close(controller_step(case, None, losses2), losses2[0]["meta"]["credit_state"], 1e-6)
