@@ -213,7 +213,8 @@ def _bench(args: argparse.Namespace, rest: List[str]) -> int:
     try:
         result = run_bench(args.tasks or ",".join(SUITE), args.credit or ",".join(QUICK_SPECS if args.quick else DEFAULT_SPECS),
                            args.seeds or ",".join(map(str, QUICK_SEEDS if args.quick else DEFAULT_SEEDS)), args.output_dir,
-                           quick=args.quick, workers=args.workers, steps=args.steps, progress=not args.quiet)
+                           quick=args.quick, workers=args.workers, steps=args.steps, progress=not args.quiet,
+                           policy=args.policy)
     except KeyboardInterrupt:
         print("\nbench interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
@@ -327,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None, help="training steps of every run (default: the task's)")
     b.add_argument("--workers", type=int, default=None, help="parallel processes (default: the CPUs available)")
     b.add_argument("--output-dir", "--output_dir", dest="output_dir", default="runs/bench", help="where runs and the report go")
+    b.add_argument("--policy", default="full", help="what trains: 'full' (every weight of the bench policy) or 'lora' "
+                   "(a LoRA adapter on it, tokencredit.analysis.bench.LORA: r 8, alpha 16, every projection, its own lr; "
+                   "every spec through the same adapter, runs in OUT/<task>-lora/; the setting grpo+arca needs)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_bench)
     i = sub.add_parser(

@@ -4,6 +4,7 @@ true credit (``oracle``) as the ceiling.
     tokencredit bench                       # the default suite: 3 tasks x DEFAULT_SPECS x 10 seeds
     tokencredit bench --quick               # 3 tasks x grpo,oracle x 2 seeds, a few steps (< 5 min)
     tokencredit bench --tasks keytok --credit grpo,oracle,rloo --seeds 0,1,2 --output-dir runs/bench
+    tokencredit bench --policy lora --credit grpo,oracle,grpo+arca --output-dir runs/bench-lora
 
 Built on :mod:`tokencredit.analysis.compare`: every (task, spec, seed) is an ordinary run directory
 ``<out>/<task>/<spec>/seed<k>/`` trained by the own trainer (:class:`BenchTrainer`, a
@@ -20,6 +21,15 @@ divided by the step range), the final success, the greedy accuracy, the steps to
 threshold, the AUC's paired difference to GRPO and the headroom recovered
 ``(AUC_spec - AUC_grpo) / (AUC_oracle - AUC_grpo)``, each with a paired bootstrap interval over
 seeds, and the smallest difference in AUC the seeds can detect.
+
+The LoRA setting (``policy="lora"``, ``--policy lora``): the same cached policy of each (task,
+seed), wrapped by :func:`tokencredit.engine.models.add_lora` with the adapter of :data:`LORA`
+(drawn from the seed, so every spec of a seed starts from the same adapter); only the adapter
+trains (the base weights and the frozen logit bias stay as built), at the learning rate
+``LORA.lr``. Every spec of such a bench trains through the same adapter, so grpo and oracle are
+the baseline and ceiling of an adapter method (ARCA, which reads the adapter's effect and is
+refused in the full-weight setting). Its runs live in ``<out>/<task>-lora/`` (:func:`task_dir`),
+and a bench directory holds one setting (``bench.json`` records it).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from ..errors import BenchError  # noqa: F401 (defined in errors; importable her
 
 __all__ = [
     "SUITE", "DEFAULT_SPECS", "QUICK_SPECS", "TaskSettings", "SETTINGS", "BenchError", "BenchTrainer",
+    "POLICIES", "LoraSettings", "LORA", "parse_policy", "task_settings", "task_dir",
     "parse_tasks", "bench_config", "kept_steps", "KEPT_DIR", "kept_path", "save_kept", "kept_weights", "load_kept", "run_bench", "summarize_task", "bootstrap", "write_bench_report", "oracle_separation",
 ]
 
@@ -74,6 +85,28 @@ SETTINGS: Dict[str, TaskSettings] = {
     "fork": TaskSettings(steps=40, lr=3e-3, eval_every=5, threshold=0.5),
 }
 QUICK_STEPS = 6
+
+#: the bench's policy settings: ``full`` trains every weight (SETTINGS); ``lora`` trains a LoRA
+#: adapter on the same policy (LORA), every spec through the same adapter
+POLICIES = ("full", "lora")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA setting of the bench (fixed before its runs). The adapter: rank ``r``, scale
+    ``alpha / r`` (peft), on every projection of the 2 Llama blocks (attention and MLP); the
+    embeddings and the LM head (its frozen -1e4 bias outside the alphabet included) are not
+    adapted and do not train. ``lr``: the AdamW learning rate of the adapter on every task, chosen
+    on grpo and oracle only (one seed, before any other spec ran: docs/benchmark.md); the other
+    settings are the task's (SETTINGS)."""
+
+    r: int = 8
+    alpha: int = 16
+    targets: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lr: float = 3e-3  # pilot (seed 0, grpo+oracle mean AUC over the 3 tasks): 1e-3 0.245, 3e-3 0.274, 1e-2 0.235, 3e-2 0.190
+
+
+LORA = LoraSettings()
 QUICK_EVAL_EVERY = 3
 #: every run keeps its policy's weights at the steps kept_steps() names (fixed before the runs),
 #: as checkpoint folders ``<run>/KEPT_DIR/step_XXXXXXXX/`` (save_kept / load_kept; the trainer's own keep only the last):
@@ -94,6 +127,24 @@ def parse_tasks(value: Any) -> List[str]:
     if len(set(tasks)) != len(tasks):
         raise BenchError(f"--tasks: a task given twice in {value!r}")
     return tasks
+
+
+def parse_policy(value: Any) -> str:
+    if value not in POLICIES:
+        raise BenchError(f"--policy: expected one of {list(POLICIES)}, got {value!r}")
+    return value
+
+
+def task_settings(task: str, policy: str = "full") -> TaskSettings:
+    """The task's settings in the ``policy`` setting: SETTINGS, with LORA.lr under ``lora``."""
+    s = SETTINGS[task]
+    return dataclasses.replace(s, lr=LORA.lr) if parse_policy(policy) == "lora" else s
+
+
+def task_dir(out: str | os.PathLike, task: str, policy: str = "full") -> Path:
+    """Where the runs of ``task`` go: ``<out>/<task>/``, ``<out>/<task>-lora/`` in the LoRA setting
+    (a run folder belongs to one setting: the two never mix)."""
+    return Path(out) / (task if parse_policy(policy) == "full" else f"{task}-lora")
 
 
 def kept_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -140,8 +191,9 @@ def kept_steps(task: str, *, steps: Optional[int] = None, quick: bool = False) -
     return sorted(set(range(0, n + 1, every)) | {n})
 
 
-def bench_config(task: str, *, steps: Optional[int] = None, eval_every: Optional[int] = None):
-    """The TrainConfig every run of ``task`` shares (credit, seed and output_dir set per run)."""
+def bench_config(task: str, *, steps: Optional[int] = None, eval_every: Optional[int] = None, policy: str = "full"):
+    """The TrainConfig every run of ``task`` shares in the ``policy`` setting (credit, seed and
+    output_dir set per run); ``lora``: ``model.lora`` with LORA's adapter and learning rate."""
     from ..train.config import (
         LogConfig,
         ModelConfig,
@@ -153,11 +205,12 @@ def bench_config(task: str, *, steps: Optional[int] = None, eval_every: Optional
     )
     from ..data.controlled import CONTROLLED
 
-    s = SETTINGS[task]
+    s = task_settings(task, policy)
     space = CONTROLLED[task].space
+    lora = dict(lora=True, lora_r=LORA.r, lora_alpha=LORA.alpha, lora_targets=tuple(LORA.targets)) if policy == "lora" else {}
     return TrainConfig(
         steps=s.steps if steps is None else steps, threads=1, device="cpu", precision="fp32",
-        model=ModelConfig(name=f"bench:{task}"),
+        model=ModelConfig(name=f"bench:{task}", **lora),
         task=TaskConfig(name=task, n_eval=64),
         rollout=RolloutConfig(prompts_per_step=s.prompts_per_step, samples_per_prompt=s.samples_per_prompt,
                               max_new_tokens=space.length, temperature=s.temperature),
@@ -212,24 +265,34 @@ def __getattr__(name):  # BenchTrainer imports the trainer only when asked for
 
 def make_trainer(cfg, init_dir: Optional[str] = None, keep: Sequence[int] = ()):
     """A :class:`BenchTrainer` for ``cfg`` on its task's seeded policy (cached in ``init_dir``),
-    keeping its weights at the steps ``keep`` (evaluated steps only: :func:`kept_steps`)."""
+    keeping its weights at the steps ``keep`` (evaluated steps only: :func:`kept_steps`). With
+    ``cfg.model.lora`` the policy is wrapped in its LoRA adapter here, drawn from ``cfg.seed``
+    (the global RNG untouched), so that every spec of a seed starts from the same adapter."""
+    import torch
+
     from .bench_policy import cached_policy
 
     model, tok = cached_policy(cfg.task.name, cfg.seed, Path(init_dir) if init_dir else None)
+    if cfg.model.lora:
+        from ..engine.models import add_lora
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = add_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, target_modules=cfg.model.lora_targets)
     tr = _trainer_class()(cfg, model=model, tokenizer=tok)
     tr.keep_steps = tuple(keep)
     return tr
 
 
-def check_runnable(task: str, spec: str, out: Path) -> None:
+def check_runnable(task: str, spec: str, out: Path, policy: str = "full") -> None:
     """Refuse, in one line and before any model loads, a spec the own trainer cannot run in
-    ``task``'s bench setting (its plan: e.g. ARCA needs a LoRA adapter the bench policy lacks)."""
+    ``task``'s bench setting (its plan: e.g. ARCA needs a LoRA adapter the full-weight policy lacks)."""
     from .compare import run_config
     from ..errors import ConfigError
     from ..credit.spec import CreditPipeline
     from ..train.trainer import config_plan
 
-    cfg = run_config(bench_config(task), spec, 0, out / task)
+    cfg = run_config(bench_config(task, policy=policy), spec, 0, task_dir(out, task, policy))
     try:
         config_plan(CreditPipeline(cfg.credit, cfg.method_configs()), cfg)
     except (ConfigError, ValueError) as e:
@@ -237,13 +300,13 @@ def check_runnable(task: str, spec: str, out: Path) -> None:
 
 
 def _job(task: str, spec: str, seed: int, out: str, steps: Optional[int], eval_every: Optional[int],
-         trainer_factory=None) -> Tuple[str, str, int, str]:
+         trainer_factory=None, policy: str = "full") -> Tuple[str, str, int, str]:
     import torch
 
     from .compare import run_config, run_one
 
     torch.set_num_threads(1)
-    cfg = run_config(bench_config(task, steps=steps, eval_every=eval_every), spec, seed, Path(out) / task)
+    cfg = run_config(bench_config(task, steps=steps, eval_every=eval_every, policy=policy), spec, seed, task_dir(out, task, policy))
     keep = kept_steps(task, steps=steps, quick=eval_every == QUICK_EVAL_EVERY)
     factory = trainer_factory or partial(make_trainer, init_dir=str(Path(out) / "init"), keep=keep)
     status = run_one(cfg, factory, log=lambda s: None)
@@ -269,8 +332,9 @@ def _pool(workers: int):
 def run_bench(tasks: Sequence[str] | str = SUITE, specs: Sequence[str] | str = DEFAULT_SPECS,
               seeds: Sequence[int] | str = DEFAULT_SEEDS, output_dir: str | Path = "runs/bench", *,
               quick: bool = False, workers: Optional[int] = None, steps: Optional[int] = None,
-              progress: bool = True, trainer_factory=None) -> Dict[str, Any]:
-    """Train every (task, spec, seed) not finished yet, then write the report. ``quick``: the
+              progress: bool = True, trainer_factory=None, policy: str = "full") -> Dict[str, Any]:
+    """Train every (task, spec, seed) not finished yet, then write the report. ``policy``: the
+    setting, ``"full"`` (every weight trains) or ``"lora"`` (a LoRA adapter trains: LORA). ``quick``: the
     short budget (QUICK_STEPS, an eval every QUICK_EVAL_EVERY steps). ``workers``: processes
     (default: the CPUs this process may use, at most the runs); 1 runs in this process (and
     ``trainer_factory``, tests, replaces :func:`make_trainer`). Returns ``{"runs": {(task, spec,
@@ -280,6 +344,7 @@ def run_bench(tasks: Sequence[str] | str = SUITE, specs: Sequence[str] | str = D
     from .compare import parse_seeds, parse_specs
 
     tasks = parse_tasks(tasks)
+    policy = parse_policy(policy)
     try:
         specs = parse_specs(specs)
         seeds = parse_seeds(seeds)
@@ -297,13 +362,16 @@ def run_bench(tasks: Sequence[str] | str = SUITE, specs: Sequence[str] | str = D
         raise BenchError(f"--output-dir: expected a directory, got {output_dir!r}")
     for t in tasks:  # a spec the bench's setting cannot run is refused before any run trains
         for s in specs:
-            check_runnable(t, str(s), Path(output_dir))
+            check_runnable(t, str(s), Path(output_dir), policy)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"tasks": tasks, "specs": [str(s) for s in specs], "seeds": seeds, "quick": quick, "steps": steps}
+    meta = {"tasks": tasks, "specs": [str(s) for s in specs], "seeds": seeds, "quick": quick, "steps": steps, "policy": policy}
     old = out / "bench.json"
     if old.exists():
         prev = json.loads(old.read_text())
+        if prev.get("policy", "full") != policy:
+            raise BenchError(f"--policy: {out} holds a bench of the {prev.get('policy', 'full')!r} setting; expected the "
+                             f"same ({policy!r}), or another --output-dir")
         if prev.get("quick") != quick or prev.get("steps") != steps:
             raise BenchError(f"--output-dir: {out} holds a bench with quick={prev.get('quick')}, steps={prev.get('steps')}; "
                              f"expected the same (quick={quick}, steps={steps}), or another directory")
@@ -318,7 +386,7 @@ def run_bench(tasks: Sequence[str] | str = SUITE, specs: Sequence[str] | str = D
             if trainer_factory is None:
                 _init(t, k, str(out))
         for t, s, k in jobs:
-            statuses[(t, s, k)] = _job(t, s, k, str(out), steps, eval_every, trainer_factory)[3]
+            statuses[(t, s, k)] = _job(t, s, k, str(out), steps, eval_every, trainer_factory, policy)[3]
             bar.update(1)
     else:
         if trainer_factory is not None:
@@ -326,7 +394,7 @@ def run_bench(tasks: Sequence[str] | str = SUITE, specs: Sequence[str] | str = D
         with _pool(workers) as pool:
             inits = sorted({(t, k) for t, _, k in jobs})
             list(pool.map(_init, [t for t, _ in inits], [k for _, k in inits], [str(out)] * len(inits)))
-            futures = [pool.submit(_job, t, s, k, str(out), steps, eval_every) for t, s, k in jobs]
+            futures = [pool.submit(_job, t, s, k, str(out), steps, eval_every, None, policy) for t, s, k in jobs]
             from concurrent.futures import as_completed
 
             for f in as_completed(futures):
@@ -335,7 +403,8 @@ def run_bench(tasks: Sequence[str] | str = SUITE, specs: Sequence[str] | str = D
                 bar.set_postfix_str(f"{t} {s} seed {k}: {st}")
                 bar.update(1)
     bar.close()
-    report, summary = write_bench_report(out, tasks, [str(s) for s in specs], seeds, steps=steps, eval_every=eval_every)
+    report, summary = write_bench_report(out, tasks, [str(s) for s in specs], seeds, steps=steps, eval_every=eval_every,
+                                         policy=policy)
     return {"runs": statuses, "report": report, "summary": summary}
 
 
@@ -537,8 +606,10 @@ def render_bench_report(summaries: Dict[str, Dict[str, Any]], plots: Dict[str, s
 
 
 def write_bench_report(out: Path, tasks: Sequence[str], specs: Sequence[str], seeds: Sequence[int], *,
-                       steps: Optional[int] = None, eval_every: Optional[int] = None) -> Tuple[Path, Dict[str, Any]]:
-    """Read every run, write ``<out>/report.md``, ``<out>/summary.json`` and ``<out>/plots/<task>.png``."""
+                       steps: Optional[int] = None, eval_every: Optional[int] = None,
+                       policy: str = "full") -> Tuple[Path, Dict[str, Any]]:
+    """Read every run (of the ``policy`` setting: :func:`task_dir`), write ``<out>/report.md``,
+    ``<out>/summary.json`` and ``<out>/plots/<task>.png``."""
     from .compare import load_results
 
     out = Path(out)
@@ -546,7 +617,7 @@ def write_bench_report(out: Path, tasks: Sequence[str], specs: Sequence[str], se
     summaries, plots = {}, {}
     for t in tasks:
         budget = steps or SETTINGS[t].steps
-        results = {s: r for s, r in load_results(out / t, specs, seeds, budget).items() if r}
+        results = {s: r for s, r in load_results(task_dir(out, t, policy), specs, seeds, budget).items() if r}
         if not results:
             continue
         summaries[t] = summarize_task(results, SETTINGS[t].threshold, budget)
@@ -554,8 +625,10 @@ def write_bench_report(out: Path, tasks: Sequence[str], specs: Sequence[str], se
         _plot(t, summaries[t], results, p)
         plots[t] = p.relative_to(out).as_posix()
     meta = {"tasks": ",".join(tasks), "specs": ",".join(specs), "seeds": ",".join(map(str, seeds)),
-            "settings": "; ".join(f"{t}: {dataclasses.asdict(SETTINGS[t])}" for t in tasks)
+            "settings": "; ".join(f"{t}: {dataclasses.asdict(task_settings(t, policy))}" for t in tasks)
             + (f"; steps {steps}, eval every {eval_every}" if steps or eval_every else "")}
+    if policy != "full":
+        meta["policy"] = f"{policy}: {dataclasses.asdict(LORA)} (runs in <out>/<task>-lora/)"
     report = out / "report.md"
     report.write_text(render_bench_report(summaries, plots, meta))
     (out / "summary.json").write_text(json.dumps(summaries, indent=2, default=float))
