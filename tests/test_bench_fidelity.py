@@ -108,3 +108,45 @@ def test_fidelity_along_a_run_scores_each_kept_checkpoint_against_its_own_true_c
     own = est["rollouts"]["signals"]["logprobs"]
     assert bf._ref_logprobs(m6, est, 1.0) == pytest.approx(own, abs=1e-4)  # the forward agrees with the exact tier's
     assert (bf._ref_logprobs(m0, est, 1.0) - own).abs().max() > 1e-3
+
+
+def test_headroom_column_from_another_summary_the_correlation_from_the_scored_seeds(bf, tmp_path, capsys):
+    """``--headroom``: the table's headroom column is that summary's (e.g. over more seeds), while
+    the correlation still pairs fidelity with the AUCs of the scored seeds (the runs' summary)."""
+    import json
+
+    specs = ["grpo", "oracle", "a", "b", "c"]
+    auc = _auc({"a": 0.1, "b": 0.4, "c": 0.7}, n=2)
+
+    def summary(head):
+        return {"fork": {"seeds": [0, 1], "budget": 40, "specs": {
+            s: {"per_seed_auc": auc[s], "headroom": [h, h - 0.1, h + 0.1]} for s, h in zip(specs, head)}}}
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "summary.json").write_text(json.dumps(summary([0.0, 1.0, 0.1, 0.4, 0.7])))
+    ten = tmp_path / "ten.json"
+    ten.write_text(json.dumps(summary([0.0, 1.0, -0.31, 0.52, 0.93])))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    fid = dict(zip(specs, (0.5, 1.0, 0.6, 0.7, 0.8)))
+    for k in (0, 1):
+        per = {s: {"sign_agreement": f, "rank_corr": f, "pivotal_mass": f} for s, f in fid.items()}
+        (cache / f"fork_seed{k}_samples8.json").write_text(json.dumps({"0": [per, []], "10": [per, []]}))
+
+    def table(*extra):
+        out = tmp_path / "o.json"
+        bf.main(["--task", "fork", "--runs", str(runs), "--cache", str(cache), "-o", str(out), *extra])
+        rows = {}
+        for ln in capsys.readouterr().out.splitlines():  # the first table's rows (the step table follows)
+            if ln.startswith("| `"):
+                rows.setdefault(ln.split("|")[1].strip(" `"), ln.split("|")[2].strip())
+        return rows, json.loads(out.read_text())
+
+    own, res_own = table()
+    other, res_other = table("--headroom", str(ten))
+    assert [own[s] for s in ("a", "b", "c")] == ["0.10", "0.40", "0.70"]
+    assert [other[s] for s in ("a", "b", "c")] == ["-0.31", "0.52", "0.93"]
+    assert res_other["headroom_from"] == str(ten) and "headroom_from" not in res_own
+    assert res_other["correlation"] == res_own["correlation"]
+    assert res_own["correlation"]["sign_agreement"]["rho"] == pytest.approx(1.0)
