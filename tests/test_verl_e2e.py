@@ -358,7 +358,11 @@ def controller_step(case: Case, state: Optional[dict], losses: List[dict]) -> di
 def test_stare_controller_steps_before_the_loss_and_resumes_exactly(assets, tmp_root):
     """Adaptive STARE: each step's loss reads the controller state stepped on that step's batch
     (= the state checkpointed at that step), and a run resumed from verl's step-1 checkpoint
-    restores that state exactly before stepping it again."""
+    restores that state exactly before stepping it again. What it cannot tell apart: which rows the
+    controller was stepped on (STARE steps by the sign of H_target - mean entropy, and H_target 3.0
+    sits above every batch's mean here: a controller stepped on one rank's half passed, 2026-12-07;
+    one never stepped fails). The rows are checked by test_verl_methods.py::
+    test_the_driver_steps_the_controller_on_every_row_of_the_step."""
     case = CASES["stare"]
     run = run_case("stare", assets, tmp_root)
     assert run.rc == 0, run.tail(80)

@@ -99,6 +99,21 @@ def test_driver_estimator_equals_core(name):
 # -- (2) adaptive STARE: the controller steps on the driver, the loss reads the stepped state ---
 
 
+def test_the_driver_steps_the_controller_on_every_row_of_the_step():
+    """step_credit_state reads the whole batch: rows whose mean entropy lies on the other side of
+    H_target from the batch's would step STARE the other way (the verl e2e run cannot tell: its
+    H_target sits above every batch's mean entropy)."""
+    mask = torch.ones(4, 6)
+    entropy = torch.tensor([0.2] * 2 + [2.0] * 2).unsqueeze(1).expand(4, 6).clone()  # mean 1.1; first half 0.2
+    cfg = {"adaptive": True, "H_target": 1.0, "a": 0.05, "W": 1.1, "M": 0.9}
+    driver = CreditPipeline("grpo+stare", stare=cfg)
+    tct.step_credit_state(driver, mask, {"entropy": entropy})
+    whole, half = CreditPipeline("grpo+stare", stare=cfg), CreditPipeline("grpo+stare", stare=cfg)
+    whole.update_state(CreditBatch(response_mask=mask.bool(), rewards=torch.zeros(4), group_ids=torch.arange(4), entropy=entropy))
+    half.update_state(CreditBatch(response_mask=mask[:2].bool(), rewards=torch.zeros(2), group_ids=torch.arange(2), entropy=entropy[:2]))
+    assert driver.state_dict() == whole.state_dict() != half.state_dict(), (driver.state_dict(), half.state_dict())
+
+
 def test_adaptive_stare_steps_on_driver_and_the_loss_equals_core():
     tlr, mask, uid, rewards = rollout()
     cfg = {"adaptive": True, "H_target": 0.9, "a": 0.05, "P": 0.3}
