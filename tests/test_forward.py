@@ -145,3 +145,113 @@ def test_prompt_pass_feeds_the_lm_head_a_contiguous_input_for_a_frozen_model():
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp_min(0)).logits[:, -1:]
     torch.testing.assert_close(out.logits, full, atol=1e-5, rtol=1e-5)
+
+
+# -- length buckets: the responses' pass cut to each group's own length ------------------------
+
+LENS = [10, 3, 2, 1, 5, 4, 10, 9, 0, 2, 3, 1]  # the README job's spread: a few at the budget, most short
+
+
+def _uneven_batch(pad_id: int, T: int = 10):
+    """Twelve rows: three prompts (two left-padded) x four responses of lengths ``LENS``."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 60, (3, P), generator=g)
+    pm = torch.ones(3, P, dtype=torch.long)
+    pm[0, :2] = 0
+    pm[2, :1] = 0
+    prompts[pm == 0] = pad_id
+    lens = torch.tensor(LENS)
+    rm = (torch.arange(T) < lens[:, None]).long()
+    resp = torch.randint(3, 60, (12, T), generator=g)
+    resp[rm == 0] = pad_id
+    return torch.cat([prompts.repeat_interleave(4, 0), resp], 1), torch.cat([pm.repeat_interleave(4, 0), rm], 1)
+
+
+def _positions_run(model):
+    """A list that records how many token positions each model call embeds."""
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda mod, args, out: seen.append(args[0].numel()))
+    return seen
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("hidden", [False, True])
+def test_length_buckets_equal_the_padded_pass_where_rows_attend(share, hidden):
+    # float64: the two passes agree to ~1e-15 (fp32's ~1e-7 relative rounding, summed over a
+    # gradient, would need a tolerance that a small slip could hide in)
+    model, tok = tiny_model_and_tokenizer(seed=3)
+    model.train().double()
+    ids, att = _uneven_batch(tok.pad_token_id)
+    T = ids.shape[1] - P
+    runs = {}
+    for buckets in (False, True):
+        model.zero_grad(set_to_none=True)
+        seen = _positions_run(model)
+        h, logits = forward_response(model, ids, att, P, hidden=hidden, share_prompts=share, buckets=buckets)
+        m = att[:, P:].double()
+        loss = (logits.log_softmax(-1)[..., 5] * m).sum()
+        if hidden:  # every state a value head reads: before each response token and after the last one
+            hm = torch.cat([torch.ones(12, 1, dtype=torch.double), m], 1)
+            loss = loss + (h.pow(2).sum(-1) * hm).sum()
+        loss.backward()
+        runs[buckets] = (h, logits, [p.grad.clone() for p in model.parameters()], sum(seen))
+        model.get_input_embeddings()._forward_hooks.clear()
+    (h0, l0, g0, n0), (h1, l1, g1, n1) = runs[False], runs[True]
+    assert l1.shape == l0.shape == (12, T, model.config.vocab_size)
+    m = att[:, P:].bool()
+    torch.testing.assert_close(l1[m], l0[m], atol=1e-12, rtol=0)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, atol=1e-12 * float(a.abs().max()), rtol=0)
+    if hidden:
+        hm = torch.cat([torch.ones(12, 1, dtype=torch.bool), m], 1)
+        assert h1.shape == h0.shape
+        torch.testing.assert_close(h1[hm], h0[hm], atol=1e-12, rtol=0)
+    # the padding is not computed: fewer positions run through the model
+    padded = (3 if share else 12) * P + 12 * T
+    assert n0 == padded and n1 < 0.75 * n0, (n0, n1)
+    # past a row's group's length the logits are 0, never another row's
+    assert (l1[~m].abs().sum(-1) == 0).any()
+
+
+def test_a_batch_without_padding_runs_the_padded_pass_itself():
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    ids, att = _batch(tok.pad_token_id)
+    att[1, P + 3 :] = 1  # every response full length: nothing to cut
+    with torch.no_grad():
+        _, a = forward_response(model, ids, att, P, buckets=True)
+        _, b = forward_response(model, ids, att, P, buckets=False)
+    assert torch.equal(a, b)  # bit for bit: the same single pass
+
+
+def _split_cost(groups, lengths, per_row, overhead):
+    return sum(len(g) * (per_row + max(lengths[i] for i in g)) + overhead for g in groups)
+
+
+def test_length_buckets_is_the_cheapest_split():
+    from itertools import combinations
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tokencredit.engine.forward import length_buckets
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        head, rest = items[0], items[1:]
+        for k in range(len(rest) + 1):
+            for others in combinations(rest, k):
+                left = [x for x in rest if x not in others]
+                for p in partitions(left):
+                    yield [[head, *others], *p]
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(0, 20), st.integers(0, 30))
+    def check(lengths, per_row, overhead):
+        groups = length_buckets(lengths, per_row=per_row, overhead=overhead)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row once
+        best = min(_split_cost(p, lengths, per_row, overhead) for p in partitions(list(range(len(lengths)))))
+        assert _split_cost(groups, lengths, per_row, overhead) == best
+
+    check()

@@ -9,17 +9,33 @@ the sum over the K rows, as in the unshared pass), then runs only the responses.
 SmolLM2 with K = 4 this removes about three quarters of the prompt's forward and backward work
 (``benchmarks/step_vs_trl.py --profile``).
 
+Rows are right-padded to the batch's longest response, and a step's responses differ in length
+(the README job's: 3-32 tokens, mean 11-24, a few at the 32-token budget). With ``buckets`` (the
+default) the response pass runs the rows in groups of similar length, each cut to its own longest
+row (:func:`length_buckets`), after the one shared prompt pass: the padding no longer costs a
+forward and a backward. Positions past a bucket's length, which no real token reads, get logits
+(and hidden states) 0; positions a row attends to are computed exactly as in the padded pass (up
+to float rounding: a shorter matrix product may sum in another order).
+
 The logits come from the model's own ``forward`` (``logits_to_keep`` selects the positions), so
 whatever a model does after its head (Gemma-2's soft-capping, Granite's logit scaling) is kept.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import copy
+import math
+from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["base_model", "cache_name", "checkpointing_on", "forward_response", "distinct_rows", "prompt_cache", "positions"]
+__all__ = ["base_model", "cache_name", "checkpointing_on", "forward_response", "distinct_rows", "length_buckets", "prompt_cache",
+           "positions", "BUCKET_OVERHEAD"]
+
+#: the cost of one more model call in a :func:`length_buckets` plan, in token positions: a call's
+#: fixed cost (30 layers of Python and small kernels, forward and backward, about 40 ms for
+#: SmolLM2-135M on one CPU core) against about 6 ms of a position's forward and backward there
+BUCKET_OVERHEAD = 32
 
 
 def base_model(model):
@@ -99,7 +115,67 @@ def prompt_cache(model, ids: torch.Tensor, mask: torch.Tensor, first: torch.Tens
     return out, cache
 
 
-def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidden: bool = False, share_prompts: bool = True):
+def length_buckets(lengths, *, per_row: int = 0, overhead: int = BUCKET_OVERHEAD) -> List[List[int]]:
+    """Rows grouped for a pass cut to each group's longest row: the row indices of each group.
+
+    ``lengths[i]`` is row i's length; a group of n rows whose longest is m costs
+    ``n * (per_row + m) + overhead`` (``per_row``: positions every row computes whatever its
+    length). Over rows sorted by length, contiguous groups are optimal, and the cheapest split is a
+    dynamic program over them. Groups come longest first, their rows in the input's order.
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    order = sorted(range(n), key=lambda i: (-int(lengths[i]), i))
+    ls = [int(lengths[i]) for i in order]
+    best = [0.0] + [math.inf] * n  # best[j]: the cheapest split of the j longest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group: sorted rows i..j-1, whose longest is ls[i]
+            c = best[i] + (j - i) * (per_row + ls[i]) + overhead
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return groups[::-1]
+
+
+def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x [n, t, ...]`` with zeros appended along dim 1 up to ``length``."""
+    if x.shape[1] == length:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1]) + tuple(x.shape[2:]))], dim=1)
+
+
+def _regroup(parts, rows, n: int, length: int) -> torch.Tensor:
+    """The per-group outputs ``parts`` (rows ``rows[g]`` of the batch) as one ``[n, length, ...]``
+    tensor in the batch's row order (a gather: gradients flow to each part)."""
+    order = torch.tensor([r for g in rows for r in g], device=parts[0].device)
+    allp = torch.cat([_pad_to(p, length) for p in parts], dim=0)
+    return allp[torch.argsort(order)] if len(rows) > 1 or not torch.equal(order, torch.arange(n, device=order.device)) else allp
+
+
+def _select_cache(cache, idx: torch.Tensor):
+    """A copy of DynamicCache ``cache`` holding rows ``idx`` (the tensors indexed, not copied in
+    place: ``cache`` itself and the other groups' copies are untouched)."""
+    new = copy.copy(cache)
+    new.layers = [copy.copy(layer) for layer in cache.layers]
+    new.batch_select_indices(idx)
+    return new
+
+
+def response_lengths(attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """``[N]`` each row's response length: one past its last attended response position (0: none)."""
+    att = attention_mask[:, prompt_len:].bool()
+    T = att.shape[1]
+    idx = torch.arange(1, T + 1, device=att.device)
+    return (att * idx).amax(dim=1) if T else att.new_zeros(att.shape[0], dtype=torch.long)
+
+
+def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidden: bool = False, share_prompts: bool = True,
+                     buckets: bool = True):
     """Final hidden states and logits at the positions that predict response tokens.
 
     ``input_ids``/``attention_mask`` are ``[N, P + T]``: left-padded prompts, then right-padded
@@ -107,8 +183,10 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
     states before each response token and after the last one (None unless ``hidden``), and
     ``logits [N, T, V]`` whose row ``t`` is the distribution of response token ``t``.
 
-    With ``share_prompts`` (the default) rows with identical prompts share one prompt pass (see
-    the module docstring); the result equals the unshared pass up to float rounding.
+    With ``share_prompts`` (the default) rows with identical prompts share one prompt pass, and
+    with ``buckets`` (the default) the responses run in groups cut to their own length (see the
+    module docstring); at every position a row attends to, the result equals the padded, unshared
+    pass up to float rounding. Past a row's group's length, logits and hidden states are 0.
     """
     N, L = input_ids.shape
     P = int(prompt_len)
@@ -119,14 +197,19 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
     if share_prompts and not checkpointing_on(model):
         # (gradient checkpointing turns the KV cache off in training, so nothing could be shared)
         groups = distinct_rows(input_ids[:, :P], attention_mask[:, :P])
+    lengths = response_lengths(attention_mask, P).clamp_min(1).tolist() if buckets else [T] * N
     if groups is None:
-        out = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
-            use_cache=False, logits_to_keep=torch.arange(P - 1, L - 1, device=input_ids.device),
-            output_hidden_states=hidden,
-        )
-        h = out.hidden_states[-1][:, P - 1 :] if hidden else None
-        return h, out.logits
+        plan = length_buckets(lengths, per_row=P)
+        if len(plan) == 1 and max(lengths) == T:  # nothing to cut: the padded pass itself
+            return _full_pass(model, input_ids, attention_mask, P, hidden)
+        hs, ls = [], []
+        for rows in plan:
+            r = torch.tensor(rows, device=input_ids.device)
+            t = max(lengths[i] for i in rows)
+            h_g, l_g = _full_pass(model, input_ids[r, : P + t], attention_mask[r, : P + t], P, hidden)
+            hs.append(h_g)
+            ls.append(l_g)
+        return (_regroup(hs, plan, N, T + 1) if hidden else None), _regroup(ls, plan, N, T)
 
     first, inverse = groups
     # the prompt pass gives the logits (and state) at the last prompt position: response token 0
@@ -136,6 +219,39 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
     if T == 1 and not hidden:
         return None, logits0
     n_prompt = attention_mask[:, :P].long().sum(-1)
+    plan = length_buckets(lengths)
+    if len(plan) == 1 and max(lengths) == T:  # nothing to cut: one response pass over the padded rows
+        return _response_pass(model, input_ids, attention_mask, P, T, n_prompt, cache, logits0, h0, hidden)
+    hs, ls = [], []
+    for rows in plan:
+        r = torch.tensor(rows, device=input_ids.device)
+        t = max(lengths[i] for i in rows)
+        if t == 1 and not hidden:  # the prompt pass gave these rows' only logits
+            hs.append(None)
+            ls.append(logits0[r])
+            continue
+        h_g, l_g = _response_pass(model, input_ids[r, : P + t], attention_mask[r, : P + t], P, t, n_prompt[r],
+                                  _select_cache(cache, r), logits0[r], h0[r] if hidden else None, hidden)
+        hs.append(h_g)
+        ls.append(l_g)
+    return (_regroup(hs, plan, N, T + 1) if hidden else None), _regroup(ls, plan, N, T)
+
+
+def _full_pass(model, input_ids, attention_mask, P: int, hidden: bool):
+    """One forward over prompt + response: ``(h [n, T+1, D] or None, logits [n, T, V])``."""
+    L = input_ids.shape[1]
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
+        use_cache=False, logits_to_keep=torch.arange(P - 1, L - 1, device=input_ids.device),
+        output_hidden_states=hidden,
+    )
+    h = out.hidden_states[-1][:, P - 1 :] if hidden else None
+    return h, out.logits
+
+
+def _response_pass(model, input_ids, attention_mask, P: int, T: int, n_prompt, cache, logits0, h0, hidden: bool):
+    """The responses' pass over ``T`` positions on the prompts' ``cache``: ``(h, logits)`` with
+    the prompt pass's last position (``logits0``, ``h0``) in front."""
     r_pos = n_prompt.unsqueeze(1) + torch.arange(T, device=input_ids.device)
     # response t predicts t+1: the logits of the last response token are not needed
     keep = torch.arange(T - 1, device=input_ids.device)
