@@ -219,8 +219,10 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
     if T == 1 and not hidden:
         return None, logits0
     n_prompt = attention_mask[:, :P].long().sum(-1)
-    plan = length_buckets(lengths)
-    if len(plan) == 1 and max(lengths) == T:  # nothing to cut: one response pass over the padded rows
+    # (a cache without per-layer entries, such as a hybrid model's recurrent state, cannot be
+    # copied per group here: its rows run padded, as before length buckets existed)
+    plan = length_buckets(lengths) if hasattr(cache, "layers") else [list(range(N))]
+    if len(plan) == 1 and (max(lengths) == T or not hasattr(cache, "layers")):  # one response pass over the padded rows
         return _response_pass(model, input_ids, attention_mask, P, T, n_prompt, cache, logits0, h0, hidden)
     hs, ls = [], []
     for rows in plan:
