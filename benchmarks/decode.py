@@ -92,6 +92,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--gemm-n", type=int, default=1024)
     p.add_argument("--task", default="mul1")
+    p.add_argument("--vllm-compile", action="store_true",
+                   help="build the vLLM engine without enforce_eager (vLLM compiles the model at the build: minutes)")
     args = p.parse_args(argv)
     if args.quick:
         args.new_tokens = 8
@@ -158,7 +160,8 @@ def main(argv=None) -> None:
 
         b = max(batches)
         for pr in precisions:
-            r = VLLMRollout(model, tok, dtype=torch.bfloat16 if pr == "bf16" else torch.float32, max_num_seqs=max(b, 8))
+            r = VLLMRollout(model, tok, dtype=torch.bfloat16 if pr == "bf16" else torch.float32, max_num_seqs=max(b, 8),
+                            enforce_eager=not args.vllm_compile)
             t = time.perf_counter()
             decode_rate(r, prompts_for(1), 2, args.samples)  # warm-up: the engine is built here
             build = time.perf_counter() - t
