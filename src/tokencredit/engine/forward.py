@@ -32,9 +32,10 @@ import torch
 __all__ = ["base_model", "cache_name", "checkpointing_on", "forward_response", "distinct_rows", "length_buckets", "prompt_cache",
            "positions", "BUCKET_OVERHEAD"]
 
-#: the cost of one more model call in a :func:`length_buckets` plan, in token positions: a call's
-#: fixed cost (30 layers of Python and small kernels, forward and backward, about 40 ms for
-#: SmolLM2-135M on one CPU core) against about 6 ms of a position's forward and backward there
+#: the cost of one more model call in a :func:`length_buckets` plan, in token positions. Measured on
+#: SmolLM2-135M, fp32, 2 CPU threads: a forward + backward of 8 rows costs ~1.0 s at 2 response tokens
+#: and ~2.2 s at 32 (~5 ms a position), and each extra call writes every weight's gradient once more;
+#: on the README job's lengths 8, 32 and 100 timed alike (``benchmarks/update_buckets.py``, docs/performance.md)
 BUCKET_OVERHEAD = 32
 
 
