@@ -213,7 +213,7 @@ def test_length_buckets_equal_the_padded_pass_where_rows_attend(share, hidden):
     assert (l1[~m].abs().sum(-1) == 0).any()
 
 
-def test_a_batch_without_padding_runs_the_padded_pass_itself():
+def test_a_batch_without_padding_gives_the_padded_pass_bit_for_bit():
     model, tok = tiny_model_and_tokenizer(seed=0)
     ids, att = _batch(tok.pad_token_id)
     att[1, P + 3 :] = 1  # every response full length: nothing to cut
@@ -221,6 +221,25 @@ def test_a_batch_without_padding_runs_the_padded_pass_itself():
         _, a = forward_response(model, ids, att, P, buckets=True)
         _, b = forward_response(model, ids, att, P, buckets=False)
     assert torch.equal(a, b)  # bit for bit: the same single pass
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_rows_of_one_length_run_as_one_group_cut_to_it(share):
+    """Every response ends at token 3 of 5: one group, cut to 3, on the prompts' own cache."""
+    model, tok = tiny_model_and_tokenizer(seed=0)
+    model.double()
+    ids, att = _batch(tok.pad_token_id)
+    att[:, P + 3 :] = 0
+    with torch.no_grad():
+        seen = _positions_run(model)
+        h1, a = forward_response(model, ids, att, P, hidden=True, share_prompts=share, buckets=True)
+        model.get_input_embeddings()._forward_hooks.clear()
+        h0, b = forward_response(model, ids, att, P, hidden=True, share_prompts=share, buckets=False)
+    m = att[:, P:].bool()
+    torch.testing.assert_close(a[m], b[m], atol=1e-12, rtol=0)
+    torch.testing.assert_close(h1[:, :4], h0[:, :4], atol=1e-12, rtol=0)
+    assert sum(seen) == (2 if share else 6) * P + 6 * 3  # the 2 padded positions of every row not run
+    assert (a[:, 3:] == 0).all()
 
 
 def _split_cost(groups, lengths, per_row, overhead):

@@ -150,12 +150,14 @@ def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1]) + tuple(x.shape[2:]))], dim=1)
 
 
-def _regroup(parts, rows, n: int, length: int) -> torch.Tensor:
+def _regroup(parts, rows, length: int) -> torch.Tensor:
     """The per-group outputs ``parts`` (rows ``rows[g]`` of the batch) as one ``[n, length, ...]``
     tensor in the batch's row order (a gather: gradients flow to each part)."""
-    order = torch.tensor([r for g in rows for r in g], device=parts[0].device)
     allp = torch.cat([_pad_to(p, length) for p in parts], dim=0)
-    return allp[torch.argsort(order)] if len(rows) > 1 or not torch.equal(order, torch.arange(n, device=order.device)) else allp
+    if len(rows) == 1:  # one group holds every row, in order
+        return allp
+    order = torch.tensor([r for g in rows for r in g], device=allp.device)
+    return allp[torch.argsort(order)]
 
 
 def _select_cache(cache, idx: torch.Tensor):
@@ -170,9 +172,7 @@ def _select_cache(cache, idx: torch.Tensor):
 def response_lengths(attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """``[N]`` each row's response length: one past its last attended response position (0: none)."""
     att = attention_mask[:, prompt_len:].bool()
-    T = att.shape[1]
-    idx = torch.arange(1, T + 1, device=att.device)
-    return (att * idx).amax(dim=1) if T else att.new_zeros(att.shape[0], dtype=torch.long)
+    return (att * torch.arange(1, att.shape[1] + 1, device=att.device)).amax(dim=1)
 
 
 def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidden: bool = False, share_prompts: bool = True,
@@ -203,14 +203,8 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
         plan = length_buckets(lengths, per_row=P)
         if len(plan) == 1 and max(lengths) == T:  # nothing to cut: the padded pass itself
             return _full_pass(model, input_ids, attention_mask, P, hidden)
-        hs, ls = [], []
-        for rows in plan:
-            r = torch.tensor(rows, device=input_ids.device)
-            t = max(lengths[i] for i in rows)
-            h_g, l_g = _full_pass(model, input_ids[r, : P + t], attention_mask[r, : P + t], P, hidden)
-            hs.append(h_g)
-            ls.append(l_g)
-        return (_regroup(hs, plan, N, T + 1) if hidden else None), _regroup(ls, plan, N, T)
+        return _in_groups(plan, lengths, T, hidden, input_ids.device,
+                          lambda r, t: _full_pass(model, input_ids[r, : P + t], attention_mask[r, : P + t], P, hidden))
 
     first, inverse = groups
     # the prompt pass gives the logits (and state) at the last prompt position: response token 0
@@ -221,23 +215,30 @@ def forward_response(model, input_ids, attention_mask, prompt_len: int, *, hidde
         return None, logits0
     n_prompt = attention_mask[:, :P].long().sum(-1)
     # (a cache without per-layer entries, such as a hybrid model's recurrent state, cannot be
-    # copied per group here: its rows run padded, as before length buckets existed)
+    # copied per group: its rows stay one group, cut to the longest row)
     plan = length_buckets(lengths) if hasattr(cache, "layers") else [list(range(N))]
-    if len(plan) == 1 and (max(lengths) == T or not hasattr(cache, "layers")):  # one response pass over the padded rows
+    if len(plan) == 1 and max(lengths) == T:  # one response pass over the padded rows
         return _response_pass(model, input_ids, attention_mask, P, T, n_prompt, cache, logits0, h0, hidden)
+
+    def group(r, t):
+        if t == 1 and not hidden:  # the prompt pass gave these rows' only logits
+            return None, logits0[r]
+        return _response_pass(model, input_ids[r, : P + t], attention_mask[r, : P + t], P, t, n_prompt[r],
+                              cache if len(plan) == 1 else _select_cache(cache, r), logits0[r], h0[r] if hidden else None,
+                              hidden)
+
+    return _in_groups(plan, lengths, T, hidden, input_ids.device, group)
+
+
+def _in_groups(plan, lengths, T: int, hidden: bool, device, run):
+    """``run(rows, t)`` on each group of ``plan`` cut to its longest row ``t``, regrouped into the
+    batch's ``(h [N, T+1, D] or None, logits [N, T, V])``."""
     hs, ls = [], []
     for rows in plan:
-        r = torch.tensor(rows, device=input_ids.device)
-        t = max(lengths[i] for i in rows)
-        if t == 1 and not hidden:  # the prompt pass gave these rows' only logits
-            hs.append(None)
-            ls.append(logits0[r])
-            continue
-        h_g, l_g = _response_pass(model, input_ids[r, : P + t], attention_mask[r, : P + t], P, t, n_prompt[r],
-                                  _select_cache(cache, r), logits0[r], h0[r] if hidden else None, hidden)
+        h_g, l_g = run(torch.tensor(rows, device=device), max(lengths[i] for i in rows))
         hs.append(h_g)
         ls.append(l_g)
-    return (_regroup(hs, plan, N, T + 1) if hidden else None), _regroup(ls, plan, N, T)
+    return (_regroup(hs, plan, T + 1) if hidden else None), _regroup(ls, plan, T)
 
 
 def _full_pass(model, input_ids, attention_mask, P: int, hidden: bool):
