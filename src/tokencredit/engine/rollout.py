@@ -38,6 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, runt
 import torch
 import torch.nn.functional as F
 
+from .attention import use_grouped_decode
 from .forward import base_model
 
 __all__ = [
@@ -329,6 +330,8 @@ class HFRollout:
     ``dtype`` (e.g. ``torch.bfloat16``): generate with a copy of the model in that dtype, made on
     first use and re-synced from ``model`` after :meth:`weights_changed` (call it after each
     optimizer step); the log-probs are still computed in fp32 from the returned logits. None generates with ``model`` itself.
+    On the CPU the copy decodes with :func:`~tokencredit.engine.attention.grouped_decode_attention`
+    (0.65-0.84x the time of torch's flash kernel in bf16, measured); ``model`` keeps its own attention.
     ``sampler``: ``"inverse_cdf"`` (default; :func:`_sampling_processors`, the same distribution
     at a fraction of the cost) or ``"multinomial"`` (``generate``'s own ``torch.multinomial``: the
     random stream of tokencredit before 2026-12-05, with which the bundled fidelity sets' policies
@@ -370,6 +373,9 @@ class HFRollout:
 
             self._copy = copy.deepcopy(self.model).to(self.dtype)
             self._copy.requires_grad_(False)
+            if next(self._copy.parameters()).device.type == "cpu":
+                # the copy is the rollout's own: its decode steps skip the CPU flash kernel (attention.py)
+                use_grouped_decode(base_model(self._copy))
         elif self._stale:
             dst = dict(self._copy.named_parameters())
             with torch.no_grad():
