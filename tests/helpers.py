@@ -110,3 +110,29 @@ def pad_batch(batch: CreditBatch, extra: int, fill: float = float("nan")) -> Cre
 
 def log_v_minus_1(V: int) -> float:
     return math.log(V - 1)
+
+
+class InterruptingBench:
+    """A ``trainer_factory`` for ``bench.run_bench``: ``bench.make_trainer``, but the run of
+    ``credit`` raises Ctrl-C in its ``at``-th step (the trainer checkpoints the steps before and
+    stops); ``once``: only the first such run."""
+
+    def __init__(self, init_dir, credit: str, *, at: int = 4, once: bool = False):
+        self.init_dir, self.credit, self.at, self.once, self.done = init_dir, credit, at, once, False
+
+    def __call__(self, cfg):
+        from tokencredit.analysis import bench
+
+        tr = bench.make_trainer(cfg, init_dir=self.init_dir, keep=bench.kept_steps(cfg.task.name, quick=True))
+        if cfg.credit == self.credit and not (self.once and self.done):
+            self.done = True
+            real, calls = tr.train_step, {"n": 0}
+
+            def step():
+                calls["n"] += 1
+                if calls["n"] == self.at:
+                    raise KeyboardInterrupt
+                return real()
+
+            tr.train_step = step
+        return tr

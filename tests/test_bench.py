@@ -11,6 +11,8 @@ from functools import partial
 import pytest
 import torch
 
+from helpers import InterruptingBench
+
 from tokencredit.analysis import bench
 from tokencredit.analysis.bench_policy import bench_policy
 from tokencredit.data.controlled import CONTROLLED, REWARDS, build
@@ -365,36 +367,13 @@ def test_cli_refusal_is_one_line_with_exit_2(tmp_path, capsys):
     assert err == ["tokencredit bench: --tasks: expected tasks among ['keytok', 'carry', 'fork'] (enumerable, controlled), got 'nosuch'"]
 
 
-class _Interrupting:
-    """make_trainer, but the first oracle run raises Ctrl-C in its 4th step (the trainer
-    checkpoints the steps before and stops)."""
-
-    def __init__(self, init_dir):
-        self.init_dir, self.done = init_dir, False
-
-    def __call__(self, cfg):
-        tr = bench.make_trainer(cfg, init_dir=self.init_dir, keep=bench.kept_steps(cfg.task.name, quick=True))
-        if cfg.credit == "oracle" and not self.done:
-            self.done = True
-            real, calls = tr.train_step, {"n": 0}
-
-            def step():
-                calls["n"] += 1
-                if calls["n"] == 4:
-                    raise KeyboardInterrupt
-                return real()
-
-            tr.train_step = step
-        return tr
-
-
 def test_a_resumed_bench_equals_an_uninterrupted_one(tmp_path):
     from tokencredit.analysis.compare import read_metrics
 
     kw = dict(tasks="keytok", specs="grpo,oracle", seeds="0", quick=True, progress=False, workers=1)
     whole = bench.run_bench(output_dir=tmp_path / "whole", **kw)
     with pytest.raises(KeyboardInterrupt):
-        bench.run_bench(output_dir=tmp_path / "cut", trainer_factory=_Interrupting(str(tmp_path / "cut" / "init")), **kw)
+        bench.run_bench(output_dir=tmp_path / "cut", trainer_factory=InterruptingBench(str(tmp_path / "cut" / "init"), "oracle", once=True), **kw)
     cut_rows = read_metrics(tmp_path / "cut" / "keytok" / "oracle" / "seed0" / "metrics.jsonl")
     assert 0 < max(r["step"] for r in cut_rows) < bench.QUICK_STEPS
     resumed = bench.run_bench(output_dir=tmp_path / "cut", **kw)

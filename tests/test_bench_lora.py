@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 
+from helpers import InterruptingBench
+
 from tokencredit.analysis import bench
 from tokencredit.analysis.compare import read_metrics, run_config
 
@@ -111,32 +113,10 @@ def test_lora_settings_leave_the_full_weight_ones_alone():
         assert bench.bench_config(t).model.lora is False and bench.bench_config(t, policy="lora").model.lora is True
 
 
-class _Interrupting:
-    """make_trainer, but the grpo+arca run raises Ctrl-C in its 4th step (the trainer checkpoints
-    the steps before and stops)."""
-
-    def __init__(self, init_dir):
-        self.init_dir = init_dir
-
-    def __call__(self, cfg):
-        tr = bench.make_trainer(cfg, init_dir=self.init_dir, keep=bench.kept_steps(cfg.task.name, quick=True))
-        if cfg.credit == "grpo+arca":
-            real, calls = tr.train_step, {"n": 0}
-
-            def step():
-                calls["n"] += 1
-                if calls["n"] == 4:
-                    raise KeyboardInterrupt
-                return real()
-
-            tr.train_step = step
-        return tr
-
-
 def test_a_resumed_lora_bench_equals_an_uninterrupted_one(whole, tmp_path):
     out, result = whole
     with pytest.raises(KeyboardInterrupt):
-        bench.run_bench(output_dir=tmp_path, trainer_factory=_Interrupting(str(tmp_path / "init")), **KW)
+        bench.run_bench(output_dir=tmp_path, trainer_factory=InterruptingBench(str(tmp_path / "init"), "grpo+arca"), **KW)
     cut = tmp_path / "keytok-lora" / "grpo+arca" / "seed0"
     assert 0 < max(r["step"] for r in read_metrics(cut / "metrics.jsonl")) < bench.QUICK_STEPS
     resumed = bench.run_bench(output_dir=tmp_path, **KW)
