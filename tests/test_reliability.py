@@ -274,6 +274,7 @@ OUT_OF_RANGE = {
     "rollout.top_p": st.one_of(_FLOAT_LE0, st.floats(min_value=1.0001, allow_nan=False, allow_infinity=False)),
     "rollout.sampler": None,
     "rollout.backend": st.sampled_from(["VLLM", "sglang", "hf "]),
+    "rollout.enforce_eager": None,
     "optim.lr": _FLOAT_LE0,
     "optim.weight_decay": _FLOAT_LT0,
     "optim.betas": st.sampled_from([(0.9, 1.0), (-0.1, 0.99), (1.5, 0.5)]),

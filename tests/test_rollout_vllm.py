@@ -194,12 +194,16 @@ def test_trainer_refuses_vllm_when_it_is_not_installed(tmp_path, monkeypatch):
         Trainer(_cfg(tmp_path), model=None, tokenizer=None)  # before any model loads (model=None would load 'tiny')
 
 
-def test_trainer_trains_with_the_vllm_backend(tmp_path, backend):
+@pytest.mark.parametrize("enforce_eager", [True, False])  # rollout.enforce_eager: False compiles the engine's model
+def test_trainer_trains_with_the_vllm_backend(tmp_path, backend, enforce_eager):
+    import dataclasses
+
     from tokencredit.engine.rollout_vllm import VLLMRollout
     from tokencredit.train.trainer import Trainer
 
     backend.close()  # one engine per process at a time: the trainer builds its own
     cfg = _cfg(tmp_path)
+    cfg.rollout = dataclasses.replace(cfg.rollout, enforce_eager=enforce_eager)
     model, tok = vllm_model(seed=1)
     task = make_task(cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_eval=cfg.task.n_eval, reward_fn=cfg.task.reward_fn)
     tr = Trainer(cfg, model=model, tokenizer=tok, task=task)
@@ -212,6 +216,7 @@ def test_trainer_trains_with_the_vllm_backend(tmp_path, backend):
     assert tr.rollout.syncs >= 1  # the step's new weights were pushed before the next rollout
     rb = tr.rollout.generate(PROMPTS, num_samples=4, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=2)
     assert (rb.behaviour_logprobs - teacher_forced(model, rb, 1.0)).abs().max() < TOL  # the engine has the trained weights
+    assert tr.rollout.llm.llm_engine.model_config.enforce_eager is enforce_eager  # the engine the setting asked for
     tr.rollout.close()
 
 

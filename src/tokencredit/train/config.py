@@ -564,7 +564,7 @@ SAFE_TO_CHANGE = frozenset(
 #: is still one generate call; generate's own multinomial sampler). A run written before a field
 #: existed reads as having it at this value, so a resume names the value that continues it exactly.
 LATER_FIELDS = {"precision": "fp32", "optim.one_pass": True, "rollout.max_batch_size": 64,
-                "rollout.sampler": "multinomial", "rollout.backend": "hf"}
+                "rollout.sampler": "multinomial", "rollout.backend": "hf", "rollout.enforce_eager": True}
 
 
 def config_diff(saved: Dict[str, Any], new: Dict[str, Any], ignore=SAFE_TO_CHANGE, prefix: str = "") -> List[str]:

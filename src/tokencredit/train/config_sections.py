@@ -89,6 +89,11 @@ class RolloutConfig:
     # the generation engine: hf (transformers generate, HFRollout) or vllm (an in-process vLLM
     # engine, tokencredit.engine.rollout_vllm; needs the vllm extra: pip install 'tokencredit[vllm]')
     backend: Literal["hf", "vllm"] = "hf"
+    # vllm only (verl's rollout.enforce_eager): true runs vLLM's model eagerly; false lets vLLM
+    # compile it (torch.compile, and CUDA graphs on a GPU, vLLM's own default there): on a 2-core
+    # CPU the engine's build takes ~100 s more and decode at batch 128 runs ~1.2x faster
+    # (docs/performance.md), so it pays off over long runs; on a GPU it is the usual choice
+    enforce_eager: bool = True
 
 
 @dataclass

@@ -196,7 +196,8 @@ class Trainer:
         if rollout is None and cfg.rollout.backend == "vllm":
             from ..engine.rollout_vllm import VLLMRollout
 
-            rollout = VLLMRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision) or torch.float32)
+            rollout = VLLMRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision) or torch.float32,
+                                  enforce_eager=cfg.rollout.enforce_eager)
         elif rollout is None:
             rollout = HFRollout(self.model, self.tokenizer, dtype=dtype_of(cfg.precision),
                                 max_batch_size=cfg.rollout.max_batch_size, sampler=cfg.rollout.sampler)
