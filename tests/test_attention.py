@@ -52,11 +52,16 @@ def test_more_than_one_query_token_is_sdpas():
     assert torch.equal(got, want)
 
 
-def test_a_model_without_transformers_attention_dispatch_is_left_alone():
+def test_only_a_model_running_sdpa_through_transformers_dispatch_is_switched():
     class Plain(torch.nn.Module):
         pass
 
     assert use_grouped_decode(Plain()) is False
+    model, _ = tiny_model_and_tokenizer()
+    model.set_attn_implementation("eager")  # e.g. a model whose extras only eager computes
+    assert use_grouped_decode(model) is False and model.config._attn_implementation == "eager"
+    model.set_attn_implementation("sdpa")
+    assert use_grouped_decode(model) is True and model.config._attn_implementation == GROUPED
 
 
 def test_the_cpu_copy_decodes_with_it_and_samples_what_the_model_does():

@@ -19,8 +19,8 @@ decode_attention.py``, docs/performance.md). Every other call (prompt passes, mo
 dropout, soft-capping, a position bias) goes to transformers' ``sdpa_attention_forward`` unchanged.
 
 Registered with transformers' ``AttentionInterface`` (and ``sdpa_mask`` as its mask function, so the
-masks are the boolean ones sdpa gets) under :data:`GROUPED`; only models whose attention dispatches through
-that interface (``_supports_attention_backend``) can take it.
+masks are the boolean ones sdpa gets) under :data:`GROUPED`; :func:`use_grouped_decode` switches only a
+model that runs ``sdpa`` through that interface (``_supports_attention_backend``).
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ def _register() -> None:
 
 def use_grouped_decode(model) -> bool:
     """Set ``model`` (a transformers model; a peft model's base) to decode with
-    :func:`grouped_decode_attention`; False, and nothing changed, for a model whose attention does not
-    dispatch through transformers' attention interface."""
-    if not getattr(model, "_supports_attention_backend", False):
+    :func:`grouped_decode_attention`; False, and nothing changed, unless the model runs transformers'
+    ``sdpa`` attention now through its attention interface: the function equals sdpa and hands it every
+    other call, so it replaces nothing else (an ``eager``-only model's extras, e.g. attention sinks, stay)."""
+    if not getattr(model, "_supports_attention_backend", False) or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
     _register()
     model.set_attn_implementation(GROUPED)
