@@ -14,7 +14,7 @@ which is transformers' eager attention (``softmax(..., dtype=float32).to(query.d
 repeated keys. torch 2.13's CPU kernel for scaled-dot-product attention (the flash kernel) runs the same
 step at a fixed cost per row and head that dominates at one query token in bf16: on an AMD EPYC (Zen 4,
 2 threads) ``HFRollout(dtype=torch.bfloat16).generate`` of the embedded model took 0.65x the time at 128
-rows, 0.73x at 32 greedy rows and 0.84x at 16 (fp32: 0.97-0.98x, within noise; ``benchmarks/
+rows, 0.79x at 32 greedy rows and 0.86x at 16 (fp32: 0.97-0.98x, within noise; ``benchmarks/
 decode_attention.py``, docs/performance.md). Every other call (prompt passes, more than one query token,
 dropout, soft-capping, a position bias) goes to transformers' ``sdpa_attention_forward`` unchanged.
 

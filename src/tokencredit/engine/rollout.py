@@ -331,7 +331,7 @@ class HFRollout:
     first use and re-synced from ``model`` after :meth:`weights_changed` (call it after each
     optimizer step); the log-probs are still computed in fp32 from the returned logits. None generates with ``model`` itself.
     On the CPU the copy decodes with :func:`~tokencredit.engine.attention.grouped_decode_attention`
-    (0.65-0.84x the time of torch's flash kernel in bf16, measured); ``model`` keeps its own attention.
+    (0.65-0.86x the time of torch's flash kernel in bf16, benchmarks/decode_attention.py); ``model`` keeps its own attention.
     ``sampler``: ``"inverse_cdf"`` (default; :func:`_sampling_processors`, the same distribution
     at a fraction of the cost) or ``"multinomial"`` (``generate``'s own ``torch.multinomial``: the
     random stream of tokencredit before 2026-12-05, with which the bundled fidelity sets' policies
